@@ -1,0 +1,471 @@
+//! The CUDA path of [`DotProductAttention`] (`kernels/attention.cu`): the
+//! same arguments, checks and results as
+//! [`DotProductAttention::forward_cpu`], on device buffers.
+//!
+//! `attn_fwd_<dtype>` runs one block per (tile of 16 (query, head) rows,
+//! KV head, sequence): K/V tiles of 32 keys staged in shared memory as f32,
+//! online softmax in f32 (Milakov & Gimelshein 2018; Dao et al. 2022). When
+//! that leaves the GPU mostly idle (decode: few rows, long caches) the key
+//! range of each block is split across `num_kv_splits` blocks, each writing
+//! a partial `(out, lse)` in f32, and `attn_combine_<dtype>` merges them by
+//! LSE (flash-decoding; the n-way form of [`crate::merge`]).
+//!
+//! Host side: the arguments are validated with the CPU path's checks, the
+//! per-sequence lengths, row bases and page table go to the device in one
+//! small upload, then one or two launches on [`CudaDevice::stream`]; nothing
+//! is read back. Inputs f32, f16 or bf16 (`T`), f32 accumulation, output in
+//! `T`, lse f32. Limits: `head_dim_v <= 256`; shared memory
+//! `4 (16 d_qk + 32 (d_qk + 1) + 32 d_v + 512) + 256` bytes must fit the
+//! device (d_qk = d_v = 256: 99 KiB).
+
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg};
+use te_kernels::cuda::{CudaDevice, CudaElement, KernelSource};
+use te_kernels::{KvCacheLayout, QkvFormat};
+
+use crate::attention::{AttnMetadata, DotProductAttention, KvLens, Plan, OP};
+use crate::error::AttentionError;
+
+/// `kernels/attention.cu` (program name `attention.cu`).
+pub const ATTENTION_CU: KernelSource = KernelSource {
+    name: "attention.cu",
+    text: include_str!("../../../kernels/attention.cu"),
+};
+
+/// Rows (query, head) per block, keys per tile, threads per block, and the
+/// widest output row: `ATTN_ROWS`, `ATTN_BC`, `ATTN_THREADS`, `ATTN_MAX_DV`
+/// of the kernel.
+const ROWS: usize = 16;
+const BC: usize = 32;
+const THREADS: u32 = 128;
+/// Largest supported `head_dim_v` (output columns live in registers).
+pub const MAX_HEAD_DIM_V: usize = 256;
+/// i64 fields per sequence in the metadata upload (`ATTN_SEQ_FIELDS`).
+const SEQ_FIELDS: usize = 8;
+/// At most this many KV splits.
+const MAX_SPLITS: usize = 64;
+/// The heuristic gives each split at least this many keys.
+const MIN_KEYS_PER_SPLIT: usize = 256;
+
+/// Where K and V come from, on the device (see [`crate::KvInput`]).
+#[derive(Debug)]
+pub enum CudaKvInput<'a, T> {
+    /// `k: [.., h_kv, d_qk]`, `v: [.., h_kv, d_v]` in the attention's
+    /// `kv_format` (bshd `[b, max_seqlen_kv, ..]`, sbhd
+    /// `[max_seqlen_kv, b, ..]`, thd `[t_kv, ..]` with `cu_seqlens_kv`).
+    Tensors {
+        k: CudaView<'a, T>,
+        v: CudaView<'a, T>,
+    },
+    /// A contiguous or paged cache: `k_cache: [num_pages, page_size, h_kv,
+    /// d_qk]`, `v_cache: [num_pages, page_size, h_kv, d_v]` on the device,
+    /// addressed by `layout` (host page table and `cache_seqlens`, uploaded
+    /// per call), exactly as [`te_kernels::KvCacheView`].
+    Cache {
+        k_cache: CudaView<'a, T>,
+        v_cache: CudaView<'a, T>,
+        layout: KvCacheLayout<'a>,
+    },
+}
+
+impl<T> CudaKvInput<'_, T> {
+    fn lens(&self) -> KvLens<'_> {
+        match self {
+            CudaKvInput::Tensors { k, v } => KvLens::Tensors {
+                k: k.len(),
+                v: v.len(),
+            },
+            CudaKvInput::Cache {
+                k_cache,
+                v_cache,
+                layout,
+            } => KvLens::Cache {
+                k_cache: k_cache.len(),
+                v_cache: v_cache.len(),
+                layout: *layout,
+            },
+        }
+    }
+}
+
+/// Mirror of `AttnParams` in `kernels/attention.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct AttnParams {
+    q_rows: i64,
+    ring_len: i64,
+    window_left: i64,
+    window_right: i64,
+    batch: i32,
+    h_q: i32,
+    h_kv: i32,
+    group: i32,
+    d_qk: i32,
+    d_v: i32,
+    max_seqlen_q: i32,
+    q_thd: i32,
+    kv_cache: i32,
+    page_size: i32,
+    max_pages_per_seq: i32,
+    num_splits: i32,
+    has_lse: i32,
+    scale: f32,
+    softcap: f32,
+}
+// SAFETY: plain-old-data with the kernel's `repr(C)` layout.
+unsafe impl DeviceRepr for AttnParams {}
+
+fn cuda_err(e: impl std::fmt::Debug) -> AttentionError {
+    AttentionError::Cuda {
+        op: OP,
+        reason: format!("{e:?}"),
+    }
+}
+
+fn kernel_err(e: te_kernels::KernelError) -> AttentionError {
+    AttentionError::Cuda {
+        op: OP,
+        reason: e.to_string(),
+    }
+}
+
+fn to_i32(arg: &'static str, v: usize) -> Result<i32, AttentionError> {
+    i32::try_from(v).map_err(|_| AttentionError::InvalidArgument {
+        op: OP,
+        arg,
+        reason: format!("{v} exceeds i32"),
+    })
+}
+
+/// `(base, stride)` of token rows of sequence `b` in `format`: token `i`
+/// is row `base + i * stride`.
+fn row_base(format: QkvFormat, b: usize, batch: usize, max_seqlen: usize, cu: &[i32]) -> [i64; 2] {
+    match format {
+        QkvFormat::Bshd => [(b * max_seqlen) as i64, 1],
+        QkvFormat::Sbhd => [b as i64, batch as i64],
+        QkvFormat::Thd => [cu[b] as i64, 1],
+    }
+}
+
+impl DotProductAttention {
+    /// Attention on the GPU: same semantics, arguments and errors as
+    /// [`DotProductAttention::forward_cpu`] (which see for shapes), with
+    /// device buffers; the KV split count is chosen from the device's
+    /// multiprocessor count.
+    ///
+    /// - `q`: `[.., h_q, d_qk]` in `qkv_format`; `kv`: [`CudaKvInput`];
+    /// - `meta`: host-side lengths (uploaded once per call with the page
+    ///   table);
+    /// - `out`: `[.., h_q, d_v]` in `qkv_format`, dtype `T`, fully written
+    ///   (padded and fully masked rows 0);
+    /// - `lse`: optional f32 natural-log LSE, `[b, h_q, max_seqlen_q]`
+    ///   (bshd/sbhd) or `[h_q, t_q]` (thd), -inf for rows that see no key.
+    ///
+    /// Asynchronous on `dev.stream()`. Errors: every error of
+    /// `forward_cpu`; `head_dim_v > 256` or shared memory beyond the
+    /// device's limit ([`AttentionError::InvalidArgument`]); driver, NVRTC or
+    /// launch failures ([`AttentionError::Cuda`]).
+    pub fn forward_cuda<T: CudaElement>(
+        &self,
+        dev: &CudaDevice,
+        q: &CudaView<'_, T>,
+        kv: &CudaKvInput<'_, T>,
+        meta: &AttnMetadata<'_>,
+        out: &mut CudaViewMut<'_, T>,
+        lse: Option<&mut CudaViewMut<'_, f32>>,
+    ) -> Result<(), AttentionError> {
+        self.forward_cuda_with_splits(dev, q, kv, meta, out, lse, None)
+    }
+
+    /// [`DotProductAttention::forward_cuda`] with the number of KV splits
+    /// forced (`Some(n)`, n >= 1; 1 = no split) or chosen (`None`). The
+    /// results agree up to f32 rounding; for tests and benchmarks.
+    pub fn forward_cuda_with_splits<T: CudaElement>(
+        &self,
+        dev: &CudaDevice,
+        q: &CudaView<'_, T>,
+        kv: &CudaKvInput<'_, T>,
+        meta: &AttnMetadata<'_>,
+        out: &mut CudaViewMut<'_, T>,
+        lse: Option<&mut CudaViewMut<'_, f32>>,
+        num_kv_splits: Option<usize>,
+    ) -> Result<(), AttentionError> {
+        let plan = self.plan(
+            q.len(),
+            &kv.lens(),
+            meta,
+            out.len(),
+            lse.as_ref().map(|l| l.len()),
+        )?;
+        if self.head_dim_v > MAX_HEAD_DIM_V {
+            return Err(AttentionError::InvalidArgument {
+                op: OP,
+                arg: "head_dim_v",
+                reason: format!(
+                    "{} exceeds the CUDA kernel's {MAX_HEAD_DIM_V}",
+                    self.head_dim_v
+                ),
+            });
+        }
+        if num_kv_splits == Some(0) {
+            return Err(AttentionError::InvalidArgument {
+                op: OP,
+                arg: "num_kv_splits",
+                reason: "must be >= 1".into(),
+            });
+        }
+        let b = meta.batch;
+        if b == 0 || plan.q_rows == 0 {
+            return Ok(());
+        }
+        launch(self, dev, &plan, q, kv, meta, out, lse, num_kv_splits)
+    }
+}
+
+/// The `[b, SEQ_FIELDS]` per-sequence fields (`SeqInfo` of the kernel:
+/// sq, skv, first_key, diagonal offset, q row base/stride, kv row
+/// base/stride), then the page table `[b, max_pages_per_seq]` for a cache.
+fn seq_fields<T>(
+    attn: &DotProductAttention,
+    plan: &Plan,
+    kv: &CudaKvInput<'_, T>,
+    meta: &AttnMetadata<'_>,
+) -> Vec<i64> {
+    let b = meta.batch;
+    let cu_q = meta.cu_seqlens_q.unwrap_or(&[]);
+    let cu_kv = meta.cu_seqlens_kv.unwrap_or(&[]);
+    let mut fields = Vec::with_capacity(b * SEQ_FIELDS);
+    for (s, seq) in plan.seqs.iter().enumerate() {
+        let (offset, _, _, first_key, skv) = seq.key_range.parts();
+        let q = row_base(attn.qkv_format, s, b, meta.max_seqlen_q, cu_q);
+        let k = match kv {
+            CudaKvInput::Tensors { .. } => {
+                row_base(attn.kv_format, s, b, meta.max_seqlen_kv, cu_kv)
+            }
+            CudaKvInput::Cache { .. } => [0, 0],
+        };
+        fields.extend([seq.sq as i64, skv, first_key, offset, q[0], q[1], k[0], k[1]]);
+    }
+    if let CudaKvInput::Cache { layout, .. } = kv {
+        let n = b * layout.max_pages_per_seq;
+        fields.extend(layout.page_table[..n].iter().map(|&p| p as i64));
+    }
+    fields
+}
+
+/// Shared memory of `attn_fwd` (bytes): key rows, q, k (padded), v, p.
+fn shared_bytes(d_qk: usize, d_v: usize) -> usize {
+    8 * BC + 4 * (ROWS * d_qk + BC * (d_qk + 1) + BC * d_v + ROWS * BC)
+}
+
+/// KV splits: enough blocks for two waves on `sm_count` multiprocessors,
+/// each split keeping at least [`MIN_KEYS_PER_SPLIT`] keys.
+fn choose_splits(blocks: usize, max_keys: usize, sm_count: usize) -> usize {
+    if blocks >= sm_count {
+        return 1;
+    }
+    let want = (2 * sm_count).div_ceil(blocks.max(1));
+    want.min(max_keys / MIN_KEYS_PER_SPLIT).clamp(1, MAX_SPLITS)
+}
+
+fn launch<T: CudaElement>(
+    attn: &DotProductAttention,
+    dev: &CudaDevice,
+    plan: &Plan,
+    q: &CudaView<'_, T>,
+    kv: &CudaKvInput<'_, T>,
+    meta: &AttnMetadata<'_>,
+    out: &mut CudaViewMut<'_, T>,
+    lse: Option<&mut CudaViewMut<'_, f32>>,
+    num_kv_splits: Option<usize>,
+) -> Result<(), AttentionError> {
+    let (b, hq, hkv) = (meta.batch, attn.num_attention_heads, attn.num_gqa_groups);
+    let (dqk, dv, group) = (attn.head_dim_qk, attn.head_dim_v, attn.kv_group());
+    let q_thd = attn.qkv_format == QkvFormat::Thd;
+    // Query rows per sequence in `out`, padding included.
+    let max_q = if q_thd {
+        plan.seqs.iter().map(|s| s.sq).max().unwrap_or(0)
+    } else {
+        meta.max_seqlen_q
+    };
+    if max_q == 0 {
+        return Ok(());
+    }
+    let tiles = (max_q * group).div_ceil(ROWS);
+    let max_keys = plan
+        .seqs
+        .iter()
+        .map(|s| {
+            let (_, _, _, first, skv) = s.key_range.parts();
+            (skv - first).max(0) as usize
+        })
+        .max()
+        .unwrap_or(0);
+
+    let ctx = dev.context();
+    let attr = |a| ctx.attribute(a).map_err(cuda_err);
+    let sm_count = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
+    let splits = num_kv_splits
+        .unwrap_or_else(|| choose_splits(tiles * hkv * b, max_keys, sm_count))
+        .min(MAX_SPLITS);
+    if b * splits > 65535 || hkv > 65535 {
+        return Err(AttentionError::InvalidArgument {
+            op: OP,
+            arg: "batch",
+            reason: format!(
+                "grid too large: batch {b} x {splits} splits and {hkv} KV heads must each be <= 65535"
+            ),
+        });
+    }
+    let smem = shared_bytes(dqk, dv);
+    let smem_max =
+        attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize;
+    if smem > smem_max {
+        return Err(AttentionError::InvalidArgument {
+            op: OP,
+            arg: "head_dim_qk",
+            reason: format!(
+                "d_qk {dqk}, d_v {dv} need {smem} bytes of shared memory, the device has {smem_max}"
+            ),
+        });
+    }
+
+    let (kv_cache, page_size, max_pages, ring_len) = match kv {
+        CudaKvInput::Tensors { .. } => (0, 1, 0, 0),
+        CudaKvInput::Cache { layout, .. } => (
+            1,
+            layout.page_size,
+            layout.max_pages_per_seq,
+            layout.ring_len.unwrap_or(0),
+        ),
+    };
+    let (_, window_left, window_right, _, _) = plan.seqs[0].key_range.parts();
+    let params = AttnParams {
+        q_rows: plan.q_rows as i64,
+        ring_len: ring_len as i64,
+        window_left,
+        window_right,
+        batch: to_i32("batch", b)?,
+        h_q: to_i32("num_attention_heads", hq)?,
+        h_kv: to_i32("num_gqa_groups", hkv)?,
+        group: to_i32("num_attention_heads", group)?,
+        d_qk: to_i32("head_dim_qk", dqk)?,
+        d_v: to_i32("head_dim_v", dv)?,
+        max_seqlen_q: to_i32("max_seqlen_q", meta.max_seqlen_q)?,
+        q_thd: q_thd as i32,
+        kv_cache,
+        page_size: to_i32("kv_cache.page_size", page_size)?,
+        max_pages_per_seq: to_i32("kv_cache.max_pages_per_seq", max_pages)?,
+        num_splits: splits as i32,
+        has_lse: lse.is_some() as i32,
+        scale: attn.effective_softmax_scale(),
+        softcap: attn.softcap.unwrap_or(0.0),
+    };
+
+    let stream = dev.stream();
+    let meta_dev = stream
+        .clone_htod(&seq_fields(attn, plan, kv, meta))
+        .map_err(cuda_err)?;
+    // Unused pointer arguments (no lse, no split) get a one-element buffer.
+    let mut dummy: CudaSlice<f32> = stream.alloc_zeros(1).map_err(cuda_err)?;
+    let part_rows = if splits > 1 { plan.q_rows * hq } else { 0 };
+    let mut o_part: CudaSlice<f32> = stream
+        .alloc_zeros((splits * part_rows * dv).max(1))
+        .map_err(cuda_err)?;
+    let mut lse_part: CudaSlice<f32> = stream
+        .alloc_zeros((splits * part_rows).max(1))
+        .map_err(cuda_err)?;
+    let mut lse_view = match lse {
+        Some(l) => l.slice_mut(..),
+        None => dummy.slice_mut(..),
+    };
+    let (k, v) = match kv {
+        CudaKvInput::Tensors { k, v } => (k, v),
+        CudaKvInput::Cache {
+            k_cache, v_cache, ..
+        } => (k_cache, v_cache),
+    };
+
+    let fwd = dev
+        .function(ATTENTION_CU, &format!("attn_fwd_{}", T::SUFFIX))
+        .map_err(kernel_err)?;
+    if smem > 48 * 1024 {
+        fwd.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(cuda_err)?;
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (
+            u32::try_from(tiles).map_err(cuda_err)?,
+            hkv as u32,
+            (b * splits) as u32,
+        ),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let mut builder = stream.launch_builder(&fwd);
+    builder
+        .arg(q)
+        .arg(k)
+        .arg(v)
+        .arg(&meta_dev)
+        .arg(&mut *out)
+        .arg(&mut lse_view)
+        .arg(&mut o_part)
+        .arg(&mut lse_part)
+        .arg(&params);
+    // SAFETY: the arguments match the kernel's signature; `plan` checked
+    // every length against the shapes the kernel indexes, and the page
+    // table against the cache size.
+    unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
+
+    if splits > 1 {
+        let combine = dev
+            .function(ATTENTION_CU, &format!("attn_combine_{}", T::SUFFIX))
+            .map_err(kernel_err)?;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32::try_from(max_q).map_err(cuda_err)?,
+                hq as u32,
+                b as u32,
+            ),
+            block_dim: (64, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut builder = stream.launch_builder(&combine);
+        builder
+            .arg(&o_part)
+            .arg(&lse_part)
+            .arg(&meta_dev)
+            .arg(&mut *out)
+            .arg(&mut lse_view)
+            .arg(&params);
+        // SAFETY: as above; the partials were sized for `splits` splits.
+        unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_only_when_the_gpu_would_idle() {
+        // Prefill: plenty of blocks.
+        assert_eq!(choose_splits(1000, 4096, 132), 1);
+        // Decode, 1 block, 8192 keys: 264 wanted, capped by keys and MAX_SPLITS.
+        assert_eq!(choose_splits(1, 8192, 132), 32);
+        assert_eq!(choose_splits(1, 1 << 20, 132), MAX_SPLITS);
+        // Short cache: no split.
+        assert_eq!(choose_splits(4, 100, 132), 1);
+    }
+
+    #[test]
+    fn shared_memory_of_head_dim_128_fits_48_kib() {
+        assert!(shared_bytes(128, 128) <= 48 * 1024);
+        assert_eq!(shared_bytes(256, 256), 256 + 4 * (4096 + 8224 + 8192 + 512));
+    }
+}

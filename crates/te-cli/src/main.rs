@@ -1,0 +1,54 @@
+//! `te`: the te-rs command line program.
+//!
+//! `te generate` runs a model on one or more prompts (batched, streaming),
+//! `te tokenize` prints token ids. `--model` takes a GGUF file, a Hugging
+//! Face model directory, or a known short name (`smollm2-135m`,
+//! `gemma3-270m`) fetched into `$TE_HOME` on first use.
+
+mod generate;
+mod tokenize;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "te", version, about = "te-rs: long-context, many-sequence LLM inference")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from one or more prompts (raw completion, no chat template).
+    Generate(generate::Args),
+    /// Print the token ids of a text.
+    Tokenize(tokenize::Args),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(args) => generate::run(args),
+        Command::Tokenize(args) => tokenize::run(args),
+    };
+    if let Err(e) = result {
+        // One line: the error and its causes.
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+/// Resolves and loads `--model`, reporting progress on stderr.
+fn load(spec: &str) -> anyhow::Result<te_models::loader::LoadedModel> {
+    let source = te_models::hub::resolve_model(spec)?;
+    let start = std::time::Instant::now();
+    let loaded = te_models::loader::load_model(&source)?;
+    eprintln!(
+        "loaded {} ({}, {} layers) in {:.1} s",
+        spec,
+        loaded.model.config.architecture.name(),
+        loaded.model.config.num_hidden_layers,
+        start.elapsed().as_secs_f64()
+    );
+    Ok(loaded)
+}

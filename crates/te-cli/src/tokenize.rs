@@ -1,0 +1,34 @@
+//! `te tokenize`: text to token ids.
+
+use anyhow::Context;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// GGUF file, Hugging Face directory, or known model name.
+    #[arg(long)]
+    model: String,
+    /// The text to tokenize.
+    #[arg(long)]
+    text: String,
+    /// Print `{"text": str, "ids": [int]}`.
+    #[arg(long)]
+    json: bool,
+    /// Treat special-token text such as `<bos>` as plain text.
+    #[arg(long)]
+    no_parse_special: bool,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let source = te_models::hub::resolve_model(&args.model)?;
+    let tokenizer = te_models::loader::load_tokenizer(&source)?;
+    let ids = tokenizer
+        .encode(&args.text, !args.no_parse_special)
+        .with_context(|| format!("tokenizing {:?}", args.text))?;
+    if args.json {
+        println!("{}", serde_json::json!({ "text": args.text, "ids": ids }));
+    } else {
+        let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
+        println!("{}", ids.join(" "));
+    }
+    Ok(())
+}

@@ -1,0 +1,143 @@
+//! KV-cache save and thd <-> bshd conversions on the GPU
+//! (`kernels/kv_cache.cu`), same arguments and checks as the CPU ops.
+
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+
+use super::{cuda_err, CudaDevice, CudaElement, KV_CACHE_CU};
+use crate::kv_save::plan_save;
+use crate::{ConvertArgs, KernelError, KvCacheLayout, KvStep};
+
+/// Mirror of `KvSaveParams` in `kernels/kv_cache.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct KvSaveParams {
+    row_k: i64,
+    row_v: i64,
+}
+// SAFETY: plain-old-data with the kernel's `repr(C)` layout.
+unsafe impl DeviceRepr for KvSaveParams {}
+
+/// Mirror of `ConvertParams` in `kernels/kv_cache.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct ConvertParams {
+    row: i64,
+    batch: i32,
+    max_seqlen: i32,
+}
+// SAFETY: plain-old-data with the kernel's `repr(C)` layout.
+unsafe impl DeviceRepr for ConvertParams {}
+
+fn grid(op: &'static str, rows: usize) -> Result<LaunchConfig, KernelError> {
+    let g = u32::try_from(rows)
+        .ok()
+        .filter(|&g| g < i32::MAX as u32)
+        .ok_or_else(|| KernelError::InvalidArgument {
+            op,
+            arg: "rows",
+            reason: format!("{rows} rows is too many"),
+        })?;
+    Ok(LaunchConfig {
+        grid_dim: (g, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// [`crate::save_kv_cpu`] on the GPU: same arguments (the layout's page table
+/// and lengths are host slices; the host resolves them into the list of row
+/// copies, uploads it once and launches once). Asynchronous on `dev.stream()`.
+pub fn save_kv_cuda<T: CudaElement>(
+    dev: &CudaDevice,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    k_cache: &mut CudaSlice<T>,
+    v_cache: &mut CudaSlice<T>,
+    layout: &KvCacheLayout,
+    step: &KvStep,
+) -> Result<(), KernelError> {
+    let pairs = plan_save(k.len(), v.len(), k_cache.len(), v_cache.len(), layout, step)?;
+    if pairs.is_empty() {
+        return Ok(());
+    }
+    let cfg = grid("save_kv", pairs.len())?;
+    let flat: Vec<u64> = pairs.iter().flat_map(|&(s, d)| [s, d]).collect();
+    let stream = dev.stream();
+    let pairs_dev = stream.clone_htod(&flat).map_err(cuda_err)?;
+    let params = KvSaveParams {
+        row_k: (layout.num_heads_kv * layout.head_dim_k) as i64,
+        row_v: (layout.num_heads_kv * layout.head_dim_v) as i64,
+    };
+    let f = dev.function(KV_CACHE_CU, &format!("kv_save_{}", T::SUFFIX))?;
+    let mut b = stream.launch_builder(&f);
+    b.arg(k_cache)
+        .arg(v_cache)
+        .arg(k)
+        .arg(v)
+        .arg(&pairs_dev)
+        .arg(&params);
+    // SAFETY: argument types match the kernel; `plan_save` bounded every row.
+    unsafe { b.launch(cfg) }.map_err(cuda_err)?;
+    Ok(())
+}
+
+fn convert<T: CudaElement>(
+    dev: &CudaDevice,
+    kernel: &'static str,
+    dst: &mut CudaSlice<T>,
+    src: &CudaSlice<T>,
+    dst_rows: usize,
+    args: &ConvertArgs,
+) -> Result<(), KernelError> {
+    if dst_rows == 0 {
+        return Ok(());
+    }
+    let cfg = grid(kernel, dst_rows)?;
+    let batch = args.cu_seqlens.len() - 1;
+    let params = ConvertParams {
+        row: (args.num_heads * args.head_dim) as i64,
+        batch: batch as i32,
+        max_seqlen: i32::try_from(args.max_seqlen).map_err(|_| KernelError::InvalidArgument {
+            op: kernel,
+            arg: "max_seqlen",
+            reason: "exceeds i32".into(),
+        })?,
+    };
+    let stream = dev.stream();
+    let cu = stream.clone_htod(args.cu_seqlens).map_err(cuda_err)?;
+    let f = dev.function(KV_CACHE_CU, &format!("{kernel}_{}", T::SUFFIX))?;
+    let mut b = stream.launch_builder(&f);
+    b.arg(dst).arg(src).arg(&cu).arg(&params);
+    // SAFETY: argument types match the kernel; shapes checked by the caller.
+    unsafe { b.launch(cfg) }.map_err(cuda_err)?;
+    Ok(())
+}
+
+/// [`crate::convert_thd_to_bshd`] on the GPU (padding rows zeroed).
+pub fn convert_thd_to_bshd_cuda<T: CudaElement>(
+    dev: &CudaDevice,
+    thd: &CudaSlice<T>,
+    bshd: &mut CudaSlice<T>,
+    args: &ConvertArgs,
+) -> Result<(), KernelError> {
+    let (batch, _, _) = args.check("convert_thd_to_bshd", thd.len(), bshd.len())?;
+    convert(
+        dev,
+        "convert_thd_to_bshd",
+        bshd,
+        thd,
+        batch * args.max_seqlen,
+        args,
+    )
+}
+
+/// [`crate::convert_bshd_to_thd`] on the GPU (rows past `cu_seqlens[b]` zeroed).
+pub fn convert_bshd_to_thd_cuda<T: CudaElement>(
+    dev: &CudaDevice,
+    bshd: &CudaSlice<T>,
+    thd: &mut CudaSlice<T>,
+    args: &ConvertArgs,
+) -> Result<(), KernelError> {
+    let (_, t, _) = args.check("convert_bshd_to_thd", thd.len(), bshd.len())?;
+    convert(dev, "convert_bshd_to_thd", thd, bshd, t, args)
+}

@@ -1,0 +1,168 @@
+//! The resolved model config: one plain struct (no `Option` left that the
+//! forward pass would have to interpret) covering Llama and Gemma 1/2/3.
+//!
+//! Built from a Hugging Face `config.json` ([`crate::hf`]) or from GGUF
+//! metadata ([`crate::gguf_model`]); field names follow Hugging Face.
+
+use te_kernels::rope::{RopeConvention, RopeScaling};
+
+/// Model family. Each is a config mapping onto the one [`crate::layer`]
+/// transformer layer, not a separate implementation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Architecture {
+    /// Llama 2, Llama 3.x, SmolLM2, TinyLlama (Hugging Face `llama`).
+    Llama,
+    /// Gemma (1).
+    Gemma,
+    /// Gemma 2.
+    Gemma2,
+    /// Gemma 3 text.
+    Gemma3,
+}
+
+impl Architecture {
+    /// Parses a Hugging Face `model_type` or GGUF `general.architecture`.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "llama" | "mistral" => Some(Architecture::Llama),
+            "gemma" => Some(Architecture::Gemma),
+            "gemma2" => Some(Architecture::Gemma2),
+            "gemma3" | "gemma3_text" => Some(Architecture::Gemma3),
+            _ => None,
+        }
+    }
+
+    /// Name as written in GGUF `general.architecture` and by `te inspect`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Architecture::Llama => "llama",
+            Architecture::Gemma => "gemma",
+            Architecture::Gemma2 => "gemma2",
+            Architecture::Gemma3 => "gemma3",
+        }
+    }
+
+    /// Whether this family is a Gemma (GeGLU-tanh, (1 + w) norms, scaled embedding).
+    pub fn is_gemma(self) -> bool {
+        !matches!(self, Architecture::Llama)
+    }
+}
+
+/// Feed-forward activation of the gated MLP `down(act(gate(x)) * up(x))`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// SiLU (SwiGLU), Llama.
+    Silu,
+    /// GELU, tanh approximation (GeGLU), Gemma.
+    GeluTanh,
+}
+
+/// Everything the forward pass needs, resolved.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub architecture: Architecture,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f32,
+    /// Context length the model was trained for (RoPE table size).
+    pub max_position_embeddings: usize,
+    /// RoPE base of global (full-attention) layers.
+    pub rope_theta: f32,
+    /// RoPE base of sliding-window layers (Gemma 3: 10000); equal to
+    /// `rope_theta` where the family has no separate local base.
+    pub rope_local_base_freq: f32,
+    pub rope_scaling: RopeScaling,
+    /// How the Q/K weights expect to be rotated: interleaved for GGUF llama
+    /// files (their rows are permuted), half-split for Hugging Face weights
+    /// and Gemma.
+    pub rope_convention: RopeConvention,
+    pub hidden_activation: Activation,
+    /// Attention softmax scale (1/sqrt(head_dim), or
+    /// 1/sqrt(query_pre_attn_scalar) on Gemma 2/3).
+    pub softmax_scale: f32,
+    /// Gemma 2 attention-logit softcap.
+    pub attn_logit_softcapping: Option<f32>,
+    /// Gemma 2 final-logit softcap.
+    pub final_logit_softcapping: Option<f32>,
+    /// Per layer: `Some(W)` = sliding-window layer seeing W keys including
+    /// itself (window `(W - 1, 0)`), `None` = global.
+    pub layer_windows: Vec<Option<usize>>,
+    /// Multiply the embedding by sqrt(hidden_size) (Gemma), rounded to the
+    /// activation dtype (f32 here).
+    pub scale_embedding: bool,
+    /// Gemma 3 per-head RMSNorm of q and k.
+    pub qk_norm: bool,
+    /// Gemma 2/3 norms after attention and after the MLP.
+    pub sandwich_norms: bool,
+    pub tie_word_embeddings: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl ModelConfig {
+    /// Query heads per KV head.
+    pub fn kv_group(&self) -> usize {
+        self.num_attention_heads / self.num_key_value_heads
+    }
+
+    /// Checks the relations between fields; errors name the field.
+    pub fn validate(&self) -> crate::Result<()> {
+        let bad = |field: &str, reason: String| {
+            Err(crate::ModelError::Config {
+                field: field.to_string(),
+                reason,
+            })
+        };
+        for (field, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ] {
+            if v == 0 {
+                return bad(field, "must be positive".into());
+            }
+            if v > 1 << 24 {
+                return bad(field, format!("{v} is implausibly large"));
+            }
+        }
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return bad(
+                "num_key_value_heads",
+                format!(
+                    "{} does not divide num_attention_heads {}",
+                    self.num_key_value_heads, self.num_attention_heads
+                ),
+            );
+        }
+        if self.head_dim % 2 != 0 {
+            return bad("head_dim", format!("{} is odd (RoPE needs pairs)", self.head_dim));
+        }
+        if self.layer_windows.len() != self.num_hidden_layers {
+            return bad(
+                "layer_types",
+                format!(
+                    "{} entries for {} layers",
+                    self.layer_windows.len(),
+                    self.num_hidden_layers
+                ),
+            );
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+            return bad("rms_norm_eps", format!("{}", self.rms_norm_eps));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
+            return bad("rope_theta", format!("{}", self.rope_theta));
+        }
+        Ok(())
+    }
+}

