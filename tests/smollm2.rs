@@ -33,15 +33,33 @@ fn bad_requests_give_one_line_errors() {
     let long = "hello ".repeat(9000);
     for (args, needle) in [
         (vec!["generate", "--model", MODEL, "--prompt", ""], "empty"),
-        (vec!["generate", "--model", MODEL, "--prompt", long.as_str()], "context"),
-        (vec!["generate", "--model", "no-such-model", "--prompt", "hi"], "smollm2-135m"),
-        (vec!["generate", "--model", "/nonexistent/model.gguf", "--prompt", "hi"], "no such file"),
+        (
+            vec!["generate", "--model", MODEL, "--prompt", long.as_str()],
+            "context",
+        ),
+        (
+            vec!["generate", "--model", "no-such-model", "--prompt", "hi"],
+            "smollm2-135m",
+        ),
+        (
+            vec![
+                "generate",
+                "--model",
+                "/nonexistent/model.gguf",
+                "--prompt",
+                "hi",
+            ],
+            "no such file",
+        ),
     ] {
         let (ok, _, stderr) = te(&args);
         assert!(!ok, "te {:?} should fail", &args[..4]);
         let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
         assert_eq!(errors.len(), 1, "{stderr}");
         assert!(!stderr.contains("panicked"), "{stderr}");
-        assert!(errors[0].to_lowercase().contains(needle), "expected {needle:?} in {stderr}");
+        assert!(
+            errors[0].to_lowercase().contains(needle),
+            "expected {needle:?} in {stderr}"
+        );
     }
 }

@@ -100,7 +100,10 @@ pub fn check_top20(reference: &Value, logits: &[f32], vocab: usize, atol: f64) {
             .fold(0, |best, (i, &l)| if l > got[best] { i } else { best });
         assert_eq!(argmax as u32, want_ids[0], "row {p}: argmax differs");
     }
-    eprintln!("top-20 logits: worst difference {worst:.2e} over {} rows", rows.len());
+    eprintln!(
+        "top-20 logits: worst difference {worst:.2e} over {} rows",
+        rows.len()
+    );
 }
 
 /// For every line of `greedy.jsonl`: `te generate --json --max-new-tokens 32
@@ -109,12 +112,23 @@ pub fn check_greedy_each_prompt(model: &str) {
     for line in read_jsonl(model, "greedy.jsonl") {
         let prompt = line["prompt"].as_str().unwrap();
         let out = te_json(&[
-            "generate", "--model", model, "--json", "--max-new-tokens", "32", "--ignore-eos",
-            "--prompt", prompt,
+            "generate",
+            "--model",
+            model,
+            "--json",
+            "--max-new-tokens",
+            "32",
+            "--ignore-eos",
+            "--prompt",
+            prompt,
         ]);
         assert_eq!(out.len(), 1);
         let o = &out[0];
-        assert_eq!(ids(&o["prompt_tokens"]), ids(&line["prompt_tokens"]), "prompt {prompt:?}");
+        assert_eq!(
+            ids(&o["prompt_tokens"]),
+            ids(&line["prompt_tokens"]),
+            "prompt {prompt:?}"
+        );
         assert_eq!(ids(&o["tokens"]), ids(&line["tokens"]), "prompt {prompt:?}");
         assert_eq!(o["finish_reason"], "length");
         assert_eq!(o["prompt"], prompt);
@@ -125,14 +139,27 @@ pub fn check_greedy_each_prompt(model: &str) {
 /// All prompts of `greedy.jsonl` in one batched run give each its reference tokens.
 pub fn check_greedy_batched(model: &str) {
     let lines = read_jsonl(model, "greedy.jsonl");
-    let mut args = vec!["generate", "--model", model, "--json", "--max-new-tokens", "32", "--ignore-eos"];
+    let mut args = vec![
+        "generate",
+        "--model",
+        model,
+        "--json",
+        "--max-new-tokens",
+        "32",
+        "--ignore-eos",
+    ];
     for line in &lines {
         args.extend(["--prompt", line["prompt"].as_str().unwrap()]);
     }
     let out = te_json(&args);
     assert_eq!(out.len(), lines.len());
     for (o, line) in out.iter().zip(&lines) {
-        assert_eq!(ids(&o["tokens"]), ids(&line["tokens"]), "prompt {}", line["prompt"]);
+        assert_eq!(
+            ids(&o["tokens"]),
+            ids(&line["tokens"]),
+            "prompt {}",
+            line["prompt"]
+        );
     }
 }
 
@@ -146,7 +173,12 @@ pub fn check_top20_files(model_name: &str, atol: f64) {
         let reference = read_json(model_name, name);
         let tokens = ids(&reference["token_ids"]);
         let mut cache = model
-            .new_cache(1, tokens.len(), tokens.len(), te_cache::CacheLayout::Contiguous)
+            .new_cache(
+                1,
+                tokens.len(),
+                tokens.len(),
+                te_cache::CacheLayout::Contiguous,
+            )
             .unwrap();
         cache.pre_step(&[(0, tokens.len())]).unwrap();
         let logits = model.forward(&tokens, &mut cache, Logits::All).unwrap();
@@ -162,7 +194,19 @@ pub fn check_tokenize(model: &str) {
         let out = te_json(&["tokenize", "--model", model, "--json", "--text", text]);
         assert_eq!(ids(&out[0]["ids"]), ids(&line["ids"]), "text {text:?}");
         assert_eq!(out[0]["text"], text);
-        let out = te_json(&["tokenize", "--model", model, "--json", "--no-parse-special", "--text", text]);
-        assert_eq!(ids(&out[0]["ids"]), ids(&line["ids_no_parse_special"]), "text {text:?}");
+        let out = te_json(&[
+            "tokenize",
+            "--model",
+            model,
+            "--json",
+            "--no-parse-special",
+            "--text",
+            text,
+        ]);
+        assert_eq!(
+            ids(&out[0]["ids"]),
+            ids(&line["ids_no_parse_special"]),
+            "text {text:?}"
+        );
     }
 }

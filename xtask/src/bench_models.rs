@@ -24,7 +24,8 @@ pub fn run(models: &[&str]) -> anyhow::Result<Vec<String>> {
     let mut rows = Vec::new();
     for &name in models {
         let source = te_models::hub::resolve_model(name)?;
-        let loaded = te_models::loader::load_model(&source).with_context(|| format!("loading {name}"))?;
+        let loaded =
+            te_models::loader::load_model(&source).with_context(|| format!("loading {name}"))?;
         let model = &loaded.model;
         // Prompt processing: 128 tokens in one step (best of 3).
         let prompt: Vec<u32> = (0..128u32).map(|i| 1000 + i * 7).collect();
@@ -55,8 +56,14 @@ pub fn run(models: &[&str]) -> anyhow::Result<Vec<String>> {
         })?;
         let tg = 64.0 / (last - first.expect("tokens were generated")).as_secs_f64();
         let fmt = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.1}"));
-        rows.push(format!("| {name} | pp128 | {pp:.1} | {} |", fmt(llamacpp(name, 128, 0))));
-        rows.push(format!("| {name} | tg64 | {tg:.1} | {} |", fmt(llamacpp(name, 0, 64))));
+        rows.push(format!(
+            "| {name} | pp128 | {pp:.1} | {} |",
+            fmt(llamacpp(name, 128, 0))
+        ));
+        rows.push(format!(
+            "| {name} | tg64 | {tg:.1} | {} |",
+            fmt(llamacpp(name, 0, 64))
+        ));
     }
     Ok(rows)
 }

@@ -178,8 +178,9 @@ impl DotProductAttention {
     }
 
     /// [`DotProductAttention::forward_cuda`] with the number of KV splits
-    /// forced (`Some(n)`, n >= 1; 1 = no split) or chosen (`None`). The
-    /// results agree up to f32 rounding; for tests and benchmarks.
+    /// forced (`Some(n)`, n >= 1, capped at 64; 1 = no split) or chosen
+    /// (`None`). The results agree up to f32 rounding; for tests and
+    /// benchmarks.
     pub fn forward_cuda_with_splits<T: CudaElement>(
         &self,
         dev: &CudaDevice,
@@ -244,7 +245,16 @@ fn seq_fields<T>(
             }
             CudaKvInput::Cache { .. } => [0, 0],
         };
-        fields.extend([seq.sq as i64, skv, first_key, offset, q[0], q[1], k[0], k[1]]);
+        fields.extend([
+            seq.sq as i64,
+            skv,
+            first_key,
+            offset,
+            q[0],
+            q[1],
+            k[0],
+            k[1],
+        ]);
     }
     if let CudaKvInput::Cache { layout, .. } = kv {
         let n = b * layout.max_pages_per_seq;
@@ -426,11 +436,7 @@ fn launch<T: CudaElement>(
             .function(ATTENTION_CU, &format!("attn_combine_{}", T::SUFFIX))
             .map_err(kernel_err)?;
         let cfg = LaunchConfig {
-            grid_dim: (
-                u32::try_from(max_q).map_err(cuda_err)?,
-                hq as u32,
-                b as u32,
-            ),
+            grid_dim: (u32::try_from(max_q).map_err(cuda_err)?, hq as u32, b as u32),
             block_dim: (64, 1, 1),
             shared_mem_bytes: 0,
         };

@@ -127,7 +127,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         };
         let mut control = Control::Continue;
         let mut visible = text.as_str();
-        if let Some(pos) = args.stop.iter().filter_map(|st| text.find(st.as_str())).min() {
+        if let Some(pos) = args
+            .stop
+            .iter()
+            .filter_map(|st| text.find(st.as_str()))
+            .min()
+        {
             visible = &text[..pos];
             s.stopped_text = Some(visible.to_string());
             control = Control::Stop;
@@ -144,7 +149,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 }
             }
             if end > s.printed {
-                let _ = stdout.write_all(visible[s.printed..end].as_bytes());
+                let _ = stdout.write_all(&visible.as_bytes()[s.printed..end]);
                 let _ = stdout.flush();
                 s.printed = end;
             }
@@ -172,7 +177,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             let rest = &text[streams[i].printed.min(text.len())..];
             writeln!(stdout, "{rest}")?;
         } else {
-            writeln!(stdout, "### prompt {i}: {}\n{}{}\n", prompts[i], prompts[i], text)?;
+            writeln!(
+                stdout,
+                "### prompt {i}: {}\n{}{}\n",
+                prompts[i], prompts[i], text
+            )?;
         }
     }
     Ok(())

@@ -1,17 +1,26 @@
 //! `te`: the te-rs command line program.
 //!
 //! `te generate` runs a model on one or more prompts (batched, streaming),
-//! `te tokenize` prints token ids. `--model` takes a GGUF file, a Hugging
+//! `te tokenize` prints token ids, `te inspect` describes a model, `te
+//! convert` writes a GGUF file as a Hugging Face directory, `te perplexity`
+//! scores a text file. `--model` takes a GGUF file, a Hugging
 //! Face model directory, or a known short name (`smollm2-135m`,
 //! `gemma3-270m`) fetched into `$TE_HOME` on first use.
 
+mod convert;
 mod generate;
+mod inspect;
+mod perplexity;
 mod tokenize;
 
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "te", version, about = "te-rs: long-context, many-sequence LLM inference")]
+#[command(
+    name = "te",
+    version,
+    about = "te-rs: long-context, many-sequence LLM inference"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -23,6 +32,12 @@ enum Command {
     Generate(generate::Args),
     /// Print the token ids of a text.
     Tokenize(tokenize::Args),
+    /// Describe a model: architecture, config, parameters, dtypes, tokenizer, memory.
+    Inspect(inspect::Args),
+    /// Convert a GGUF file to a Hugging Face model directory.
+    Convert(convert::Args),
+    /// Perplexity over a text file, in windows like llama.cpp's llama-perplexity.
+    Perplexity(perplexity::Args),
 }
 
 fn main() {
@@ -30,6 +45,9 @@ fn main() {
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
         Command::Tokenize(args) => tokenize::run(args),
+        Command::Inspect(args) => inspect::run(args),
+        Command::Convert(args) => convert::run(args),
+        Command::Perplexity(args) => perplexity::run(args),
     };
     if let Err(e) = result {
         // One line: the error and its causes.

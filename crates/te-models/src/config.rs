@@ -135,7 +135,10 @@ impl ModelConfig {
                 return bad(field, format!("{v} is implausibly large"));
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return bad(
                 "num_key_value_heads",
                 format!(
@@ -144,8 +147,11 @@ impl ModelConfig {
                 ),
             );
         }
-        if self.head_dim % 2 != 0 {
-            return bad("head_dim", format!("{} is odd (RoPE needs pairs)", self.head_dim));
+        if !self.head_dim.is_multiple_of(2) {
+            return bad(
+                "head_dim",
+                format!("{} is odd (RoPE needs pairs)", self.head_dim),
+            );
         }
         if self.layer_windows.len() != self.num_hidden_layers {
             return bad(

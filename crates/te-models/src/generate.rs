@@ -147,7 +147,11 @@ pub fn generate(
             pending.push_back(i);
         }
     }
-    let max_seqlen = pending.iter().map(|&i| limit(&requests[i])).max().unwrap_or(1);
+    let max_seqlen = pending
+        .iter()
+        .map(|&i| limit(&requests[i]))
+        .max()
+        .unwrap_or(1);
     let batch = config.max_batch_size.min(pending.len()).max(1);
     let pages_per_seq = max_seqlen.div_ceil(config.page_size);
     let mut cache = model.new_cache(
@@ -211,7 +215,9 @@ pub fn generate(
             if a.fed < a.tokens.len() {
                 continue; // mid-prompt chunk: no token yet
             }
-            let tok = a.sampler.sample(&logits[row * vocab..(row + 1) * vocab], &a.tokens);
+            let tok = a
+                .sampler
+                .sample(&logits[row * vocab..(row + 1) * vocab], &a.tokens);
             a.tokens.push(tok);
             let control = on_token(a.request, tok);
             let reason = if control == Control::Stop {

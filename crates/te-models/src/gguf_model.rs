@@ -11,6 +11,7 @@ use te_kernels::rope::{RopeConvention, RopeScaling};
 
 use crate::config::{Activation, Architecture, ModelConfig};
 use crate::gguf::GgufFile;
+use crate::ops::WeightData;
 use crate::weights::TensorSource;
 use crate::{ModelError, Result};
 
@@ -26,6 +27,31 @@ impl TensorSource for GgufFile {
 
     fn contains(&self, name: &str) -> bool {
         self.tensor_info(name).is_some()
+    }
+
+    fn load_matrix(&self, name: &str) -> Result<(Vec<usize>, WeightData)> {
+        let info = self.tensor_info(name).ok_or_else(|| ModelError::Tensor {
+            tensor: name.to_string(),
+            reason: format!("missing from {}", self.path().display()),
+        })?;
+        let blocked = info.ggml_type.can_dequantize()
+            && info
+                .ggml_type
+                .block_layout()
+                .is_some_and(|(len, _)| len > 1);
+        if blocked {
+            let data = self.tensor_bytes(info)?.to_vec();
+            Ok((
+                info.shape(),
+                WeightData::Quantized {
+                    ty: info.ggml_type,
+                    data,
+                },
+            ))
+        } else {
+            let (shape, data) = self.load(name)?;
+            Ok((shape, WeightData::F32(data)))
+        }
     }
 }
 
@@ -47,8 +73,8 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
     let hidden_size = get_usize("embedding_length")?;
     let num_attention_heads = get_usize("attention.head_count")?;
     let num_hidden_layers = get_usize("block_count")?;
-    let head_dim = opt_usize("attention.key_length")?
-        .unwrap_or(hidden_size / num_attention_heads.max(1));
+    let head_dim =
+        opt_usize("attention.key_length")?.unwrap_or(hidden_size / num_attention_heads.max(1));
     let vocab_size = match f.tensor_info("token_embd.weight") {
         Some(t) => t.shape()[0],
         None => {
@@ -92,19 +118,21 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         Architecture::Llama | Architecture::Gemma => vec![None; num_hidden_layers],
         Architecture::Gemma2 => {
             let w = need_window()?;
-            (0..num_hidden_layers).map(|i| (i % 2 == 0).then_some(w)).collect()
+            (0..num_hidden_layers)
+                .map(|i| (i % 2 == 0).then_some(w))
+                .collect()
         }
         Architecture::Gemma3 => {
             let w = need_window()?;
-            (0..num_hidden_layers).map(|i| (i % 6 < 5).then_some(w)).collect()
+            (0..num_hidden_layers)
+                .map(|i| (i % 6 < 5).then_some(w))
+                .collect()
         }
     };
     // llama.cpp's attention scale for Gemma 2/3 is 1/sqrt(head_dim), except
     // the 27B models whose query_pre_attn_scalar is hidden / heads.
     let scale_base = match architecture {
-        Architecture::Gemma2 | Architecture::Gemma3
-            if matches!(hidden_size, 4608 | 5376) =>
-        {
+        Architecture::Gemma2 | Architecture::Gemma3 if matches!(hidden_size, 4608 | 5376) => {
             (hidden_size / num_attention_heads) as f32
         }
         _ => head_dim as f32,

@@ -129,12 +129,18 @@ fn config_from_hf(architecture: Architecture, raw: &HfConfig) -> Result<ModelCon
     let hidden_size = field(raw.hidden_size, "hidden_size")?;
     let num_attention_heads = field(raw.num_attention_heads, "num_attention_heads")?;
     let num_hidden_layers = field(raw.num_hidden_layers, "num_hidden_layers")?;
-    let head_dim = raw.head_dim.unwrap_or(hidden_size / num_attention_heads.max(1));
+    let head_dim = raw
+        .head_dim
+        .unwrap_or(hidden_size / num_attention_heads.max(1));
     let rope_theta = raw.rope_theta.unwrap_or(10000.0) as f32;
     let rope_scaling = match &raw.rope_scaling {
         None => RopeScaling::None,
         Some(s) => {
-            let kind = s.rope_type.as_deref().or(s.kind.as_deref()).unwrap_or("default");
+            let kind = s
+                .rope_type
+                .as_deref()
+                .or(s.kind.as_deref())
+                .unwrap_or("default");
             let factor = || field(s.factor, "rope_scaling.factor");
             match kind {
                 "default" => RopeScaling::None,
@@ -151,7 +157,9 @@ fn config_from_hf(architecture: Architecture, raw: &HfConfig) -> Result<ModelCon
                 other => {
                     return Err(ModelError::Config {
                         field: "rope_scaling.rope_type".into(),
-                        reason: format!("unsupported `{other}` (supported: default, linear, llama3)"),
+                        reason: format!(
+                            "unsupported `{other}` (supported: default, linear, llama3)"
+                        ),
                     })
                 }
             }
@@ -209,7 +217,9 @@ fn config_from_hf(architecture: Architecture, raw: &HfConfig) -> Result<ModelCon
         }
     };
     let eos_token_ids = token_ids(&raw.eos_token_id, "eos_token_id")?;
-    let bos_token_id = token_ids(&raw.bos_token_id, "bos_token_id")?.first().copied();
+    let bos_token_id = token_ids(&raw.bos_token_id, "bos_token_id")?
+        .first()
+        .copied();
     Ok(ModelConfig {
         architecture,
         vocab_size: field(raw.vocab_size, "vocab_size")?,
@@ -293,18 +303,37 @@ impl SafetensorsSource {
                 path: path.clone(),
                 source,
             })?;
-            let st = safetensors::SafeTensors::deserialize(&mmap).map_err(|e| {
-                ModelError::Format {
+            let st =
+                safetensors::SafeTensors::deserialize(&mmap).map_err(|e| ModelError::Format {
                     path: path.clone(),
                     reason: format!("invalid safetensors: {e}"),
-                }
-            })?;
+                })?;
             for tensor in st.names() {
                 index.insert(tensor.to_string(), files.len());
             }
             files.push((path, mmap));
         }
         Ok(SafetensorsSource { files, index })
+    }
+}
+
+impl SafetensorsSource {
+    /// Every tensor's `(name, dtype, shape)` as the headers declare it,
+    /// sorted by name (for `te inspect`).
+    pub fn tensor_infos(&self) -> Result<Vec<(String, safetensors::Dtype, Vec<usize>)>> {
+        let mut out = Vec::with_capacity(self.index.len());
+        for (path, mmap) in &self.files {
+            let (_, metadata) =
+                safetensors::SafeTensors::read_metadata(mmap).map_err(|e| ModelError::Format {
+                    path: path.clone(),
+                    reason: format!("invalid safetensors: {e}"),
+                })?;
+            for (name, info) in metadata.tensors() {
+                out.push((name, info.dtype, info.shape.clone()));
+            }
+        }
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(out)
     }
 }
 

@@ -92,7 +92,8 @@ impl Layer {
             rms_norm_inplace(&mut q, qn, self.eps);
             rms_norm_inplace(&mut k, kn, self.eps);
         }
-        let args = |heads| RopeArgs::thd(self.convention, heads, d, &cu_seqlens_q, &start_positions);
+        let args =
+            |heads| RopeArgs::thd(self.convention, heads, d, &cu_seqlens_q, &start_positions);
         apply_rope_cpu(&mut q, rope, &args(hq))?;
         apply_rope_cpu(&mut k, rope, &args(hkv))?;
         let view = cache.step(self.index, &k, &v, QkvFormat::Thd)?;

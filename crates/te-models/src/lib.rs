@@ -13,16 +13,19 @@
 //! field at fault.
 
 pub mod config;
+pub mod convert;
 pub mod error;
 pub mod generate;
 pub mod gguf;
 pub mod gguf_model;
 pub mod hf;
 pub mod hub;
+pub mod inspect;
 pub mod layer;
 pub mod loader;
 pub mod model;
 pub mod ops;
+pub mod perplexity;
 pub mod quant;
 pub mod sampling;
 pub mod tokenizer;

@@ -32,6 +32,16 @@ pub fn load_tokenizer(source: &ModelSource) -> Result<Tokenizer> {
     }
 }
 
+/// The model's stop tokens: the config's EOS ids and the tokenizer's
+/// end-of-generation ids (EOS, end-of-turn).
+fn merge_eos(model: &mut Model, tokenizer: &Tokenizer) {
+    for &id in tokenizer.eos_ids() {
+        if !model.config.eos_token_ids.contains(&id) {
+            model.config.eos_token_ids.push(id);
+        }
+    }
+}
+
 /// Loads config, weights (dequantized to f32) and tokenizer.
 ///
 /// Errors: everything the GGUF, safetensors, config and tokenizer readers
@@ -44,10 +54,9 @@ pub fn load_model(source: &ModelSource) -> Result<LoadedModel> {
             let tokenizer = Tokenizer::from_gguf(&file)?;
             // GGUF Gemma norms already hold 1 + w.
             let weights = ModelWeights::load(&file, NameScheme::Gguf, &config, 0.0)?;
-            Ok(LoadedModel {
-                model: Model::new(config, weights)?,
-                tokenizer,
-            })
+            let mut model = Model::new(config, weights)?;
+            merge_eos(&mut model, &tokenizer);
+            Ok(LoadedModel { model, tokenizer })
         }
         ModelSource::HfDir(dir) => {
             let config = load_config(dir)?;
@@ -61,12 +70,15 @@ pub fn load_model(source: &ModelSource) -> Result<LoadedModel> {
             let tokenizer = Tokenizer::from_file(&tokenizer_path)?;
             let st = SafetensorsSource::open(dir)?;
             // Hugging Face Gemma checkpoints store w of the (1 + w) norms.
-            let norm_offset = if config.architecture.is_gemma() { 1.0 } else { 0.0 };
+            let norm_offset = if config.architecture.is_gemma() {
+                1.0
+            } else {
+                0.0
+            };
             let weights = ModelWeights::load(&st, NameScheme::HuggingFace, &config, norm_offset)?;
-            Ok(LoadedModel {
-                model: Model::new(config, weights)?,
-                tokenizer,
-            })
+            let mut model = Model::new(config, weights)?;
+            merge_eos(&mut model, &tokenizer);
+            Ok(LoadedModel { model, tokenizer })
         }
     }
 }

@@ -8,7 +8,7 @@ use te_kernels::DType;
 
 use crate::config::{Architecture, ModelConfig};
 use crate::layer::Layer;
-use crate::ops::{matmul_transposed, rms_norm};
+use crate::ops::rms_norm;
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
 
@@ -143,7 +143,7 @@ impl Model {
         let h = rms_norm(&h, &self.weights.final_norm, c.rms_norm_eps);
         let mut out = match &self.weights.lm_head {
             Some(head) => head.forward(&h, rows.len()),
-            None => matmul_transposed(&h, rows.len(), &self.weights.embed_tokens, c.vocab_size, hidden),
+            None => self.weights.embed_tokens.forward(&h, rows.len()),
         };
         if let Some(cap) = c.final_logit_softcapping {
             out.iter_mut().for_each(|l| *l = cap * (*l / cap).tanh());
@@ -161,8 +161,8 @@ impl Model {
         } else {
             1.0
         };
-        let mut x = Vec::with_capacity(tokens.len() * hidden);
-        for &tok in tokens {
+        let mut x = vec![0.0f32; tokens.len() * hidden];
+        for (&tok, row) in tokens.iter().zip(x.chunks_exact_mut(hidden)) {
             let id = tok as usize;
             if id >= c.vocab_size {
                 return Err(ModelError::Request(format!(
@@ -170,8 +170,8 @@ impl Model {
                     c.vocab_size
                 )));
             }
-            let row = &self.weights.embed_tokens[id * hidden..(id + 1) * hidden];
-            x.extend(row.iter().map(|v| v * scale));
+            self.weights.embed_tokens.row_into(id, row);
+            row.iter_mut().for_each(|v| *v *= scale);
         }
         Ok(x)
     }

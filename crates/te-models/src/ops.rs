@@ -4,32 +4,53 @@
 
 use rayon::prelude::*;
 
+use crate::quant::{dequantize_blocks, GgmlType};
+
+/// Storage of a `[rows, cols]` weight matrix.
+#[derive(Clone, Debug)]
+pub enum WeightData {
+    /// f32, row-major.
+    F32(Vec<f32>),
+    /// GGUF blocks of type `ty`, `cols / block_len` blocks per row, kept as
+    /// stored and dequantized one row at a time when used (the values are
+    /// exactly those of a full dequantization).
+    Quantized { ty: GgmlType, data: Vec<u8> },
+}
+
 /// A linear layer without bias: `y = x · Wᵀ`.
 ///
-/// `weight: [out_features, in_features]` f32, row-major (Hugging Face and
-/// GGUF order: GGUF `ne[0]` is `in_features`).
+/// `weight: [out_features, in_features]`, row-major (Hugging Face and GGUF
+/// order: GGUF `ne[0]` is `in_features`), f32 or GGUF-quantized.
 #[derive(Clone, Debug)]
 pub struct Linear {
-    pub weight: Vec<f32>,
+    pub weight: WeightData,
     pub out_features: usize,
     pub in_features: usize,
 }
 
 impl Linear {
-    /// Wraps a `[out_features, in_features]` weight; errors name `tensor`.
+    /// Wraps a `[out_features, in_features]` weight; errors name `tensor`
+    /// when the data does not hold that many elements.
     pub fn new(
         tensor: &str,
-        weight: Vec<f32>,
+        weight: WeightData,
         out_features: usize,
         in_features: usize,
     ) -> crate::Result<Self> {
-        if weight.len() != out_features * in_features {
+        let n = out_features * in_features;
+        let ok = match &weight {
+            WeightData::F32(w) => w.len() == n,
+            WeightData::Quantized { ty, data } => {
+                ty.block_layout().is_some_and(|(block_len, _)| {
+                    in_features.is_multiple_of(block_len)
+                        && ty.bytes_for(n as u64) == Some(data.len() as u64)
+                })
+            }
+        };
+        if !ok {
             return Err(crate::ModelError::Tensor {
                 tensor: tensor.to_string(),
-                reason: format!(
-                    "has {} elements, expected [{out_features}, {in_features}]",
-                    weight.len()
-                ),
+                reason: format!("data does not hold a [{out_features}, {in_features}] matrix"),
             });
         }
         Ok(Linear {
@@ -41,8 +62,143 @@ impl Linear {
 
     /// `x: [t, in_features]` -> `y: [t, out_features]`.
     pub fn forward(&self, x: &[f32], t: usize) -> Vec<f32> {
-        matmul_transposed(x, t, &self.weight, self.out_features, self.in_features)
+        let (n, k) = (self.out_features, self.in_features);
+        match &self.weight {
+            WeightData::F32(w) => matmul_transposed(x, t, w, n, k),
+            WeightData::Quantized { ty, data } => matmul_quantized(x, t, *ty, data, n, k),
+        }
     }
+
+    /// Row `r` of the weight (an embedding lookup), as f32 into `out: [in_features]`.
+    pub fn row_into(&self, r: usize, out: &mut [f32]) {
+        let k = self.in_features;
+        match &self.weight {
+            WeightData::F32(w) => out.copy_from_slice(&w[r * k..(r + 1) * k]),
+            WeightData::Quantized { ty, data } => {
+                let rb = data.len() / self.out_features;
+                dequantize_blocks(*ty, &data[r * rb..(r + 1) * rb], out);
+            }
+        }
+    }
+
+    /// The whole weight as f32 `[out_features, in_features]`.
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut w = vec![0.0f32; self.out_features * self.in_features];
+        w.par_chunks_mut(self.in_features)
+            .enumerate()
+            .for_each(|(r, row)| self.row_into(r, row));
+        w
+    }
+}
+
+/// Weight rows dequantized per task by [`matmul_quantized`] for prefill.
+const DEQUANT_BLOCK_ROWS: usize = 256;
+
+/// `y = x · wᵀ` for a quantized `w: [n, k]` (`row_bytes` bytes per row).
+///
+/// Decode (`t <=` [`GEMV_MAX_ROWS`]): each task dequantizes one weight row
+/// at a time into scratch and takes its dot products with every row of
+/// `x`, so memory traffic is the quantized bytes. Prefill: blocks of rows
+/// are dequantized and multiplied with the f32 GEMM.
+fn matmul_quantized(
+    x: &[f32],
+    t: usize,
+    ty: GgmlType,
+    data: &[u8],
+    n: usize,
+    k: usize,
+) -> Vec<f32> {
+    assert_eq!(x.len(), t * k, "matmul_quantized: x is not [t, k]");
+    let row_bytes = data.len() / n;
+    if t <= GEMV_MAX_ROWS {
+        let mut yt = vec![0.0f32; n * t]; // [n, t]
+        yt.par_chunks_mut(GEMV_BLOCK * t)
+            .zip(data.par_chunks(GEMV_BLOCK * row_bytes))
+            .for_each(|(yt, w)| gemv_quantized_block(x, t, k, ty, w, yt));
+        return transpose(&yt, n, t);
+    }
+    let mut y = vec![0.0f32; t * n];
+    let mut block = vec![0.0f32; DEQUANT_BLOCK_ROWS * k];
+    for (b, rows) in data.chunks(DEQUANT_BLOCK_ROWS * row_bytes).enumerate() {
+        let nb = rows.len() / row_bytes;
+        let w = &mut block[..nb * k];
+        w.par_chunks_mut(k)
+            .zip(rows.par_chunks(row_bytes))
+            .for_each(|(o, r)| dequantize_blocks(ty, r, o));
+        // y[:, b*R .. b*R + nb] = x · wᵀ, written in place with row stride n.
+        // SAFETY: the output block lies inside y: columns b*R..b*R+nb < n of t rows.
+        unsafe {
+            matrixmultiply::sgemm(
+                t,
+                k,
+                nb,
+                1.0,
+                x.as_ptr(),
+                k as isize,
+                1,
+                w.as_ptr(),
+                1,
+                k as isize,
+                0.0,
+                y.as_mut_ptr().add(b * DEQUANT_BLOCK_ROWS),
+                n as isize,
+                1,
+            );
+        }
+    }
+    y
+}
+
+/// `yt[j, i] = x_i · w_j` for the quantized weight rows `w` of one block,
+/// each dequantized into scratch first.
+fn gemv_quantized_block(x: &[f32], t: usize, k: usize, ty: GgmlType, w: &[u8], yt: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU supports the features the function is compiled for.
+        return unsafe { gemv_quantized_block_avx2(x, t, k, ty, w, yt) };
+    }
+    gemv_quantized_block_generic(x, t, k, ty, w, yt)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn gemv_quantized_block_avx2(
+    x: &[f32],
+    t: usize,
+    k: usize,
+    ty: GgmlType,
+    w: &[u8],
+    yt: &mut [f32],
+) {
+    gemv_quantized_block_generic(x, t, k, ty, w, yt)
+}
+
+#[inline(always)]
+fn gemv_quantized_block_generic(
+    x: &[f32],
+    t: usize,
+    k: usize,
+    ty: GgmlType,
+    w: &[u8],
+    yt: &mut [f32],
+) {
+    let row_bytes = w.len() / (yt.len() / t);
+    let mut row = vec![0.0f32; k];
+    for (w_row, out) in w.chunks_exact(row_bytes).zip(yt.chunks_exact_mut(t)) {
+        dequantize_blocks(ty, w_row, &mut row);
+        gemv_block_generic(x, t, k, &row, out);
+    }
+}
+
+/// `[rows, cols]` -> `[cols, rows]`.
+fn transpose(a: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; a.len()];
+    for (r, row) in a.chunks_exact(cols).enumerate() {
+        for (c, v) in row.iter().enumerate() {
+            out[c * rows + r] = *v;
+        }
+    }
+    out
 }
 
 /// Up to this many rows of `x`, [`matmul_transposed`] runs as
@@ -57,9 +213,8 @@ const GEMV_BLOCK: usize = 64;
 pub fn matmul_transposed(x: &[f32], t: usize, w: &[f32], n: usize, k: usize) -> Vec<f32> {
     assert_eq!(x.len(), t * k, "matmul_transposed: x is not [t, k]");
     assert_eq!(w.len(), n * k, "matmul_transposed: w is not [n, k]");
-    let mut y = vec![0.0f32; t * n];
     if t == 0 {
-        return y;
+        return vec![];
     }
     if t <= GEMV_MAX_ROWS {
         // yt: [n, t], one block of weight rows per task, then transposed.
@@ -67,13 +222,9 @@ pub fn matmul_transposed(x: &[f32], t: usize, w: &[f32], n: usize, k: usize) -> 
         yt.par_chunks_mut(GEMV_BLOCK * t)
             .zip(w.par_chunks(GEMV_BLOCK * k))
             .for_each(|(yt, w)| gemv_block(x, t, k, w, yt));
-        for (j, row) in yt.chunks_exact(t).enumerate() {
-            for (i, v) in row.iter().enumerate() {
-                y[i * n + j] = *v;
-            }
-        }
-        return y;
+        return transpose(&yt, n, t);
     }
+    let mut y = vec![0.0f32; t * n];
     // C[t, n] = A[t, k] · B[k, n] with B = wᵀ: B[kk, j] = w[j, kk], i.e. row
     // stride 1 and column stride k over w's storage.
     // SAFETY: the asserts above bound every index sgemm reads or writes.
@@ -130,7 +281,12 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     const LANES: usize = 16;
     let mut acc = [0.0f32; LANES];
     let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
     for (xa, xb) in ca.zip(cb) {
         for l in 0..LANES {
             acc[l] += xa[l] * xb[l];

@@ -2,7 +2,7 @@
 //! safetensors) by one name mapping per file format.
 
 use crate::config::{Architecture, ModelConfig};
-use crate::ops::Linear;
+use crate::ops::{Linear, WeightData};
 use crate::{ModelError, Result};
 
 /// Where tensors come from: a GGUF file or a Hugging Face safetensors
@@ -13,6 +13,12 @@ pub trait TensorSource {
     fn load(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)>;
     /// Whether the source has a tensor called `name`.
     fn contains(&self, name: &str) -> bool;
+    /// Loads a matrix for a [`Linear`]: f32 by default; a GGUF source keeps
+    /// block-quantized tensors as stored.
+    fn load_matrix(&self, name: &str) -> Result<(Vec<usize>, WeightData)> {
+        let (shape, data) = self.load(name)?;
+        Ok((shape, WeightData::F32(data)))
+    }
 }
 
 /// Tensor names of one file format.
@@ -58,8 +64,8 @@ pub struct LayerWeights {
 /// All weights of a model.
 #[derive(Clone, Debug)]
 pub struct ModelWeights {
-    /// Token embedding `[vocab, hidden]`.
-    pub embed_tokens: Vec<f32>,
+    /// Token embedding `[vocab, hidden]` (also the output projection when tied).
+    pub embed_tokens: Linear,
     pub layers: Vec<LayerWeights>,
     /// Final RMSNorm `[hidden]`.
     pub final_norm: Vec<f32>,
@@ -67,13 +73,24 @@ pub struct ModelWeights {
     pub lm_head: Option<Linear>,
 }
 
-struct Names {
-    scheme: NameScheme,
-    arch: Architecture,
+/// Tensor names of one architecture in one file format, by role: the one
+/// name mapping used to read weights ([`ModelWeights::load`]) and to write
+/// them (`crate::convert`).
+///
+/// Layer roles: `attn_norm`, `q`, `k`, `v`, `o`, `q_norm`, `k_norm`,
+/// `post_attn_norm`, `ffn_norm`, `gate`, `up`, `down`, `post_ffn_norm`.
+/// Global roles: `embed`, `norm`, `lm_head`. An unknown role is a
+/// programming error and panics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TensorNames {
+    pub scheme: NameScheme,
+    pub arch: Architecture,
 }
 
-impl Names {
-    fn layer(&self, i: usize, what: &str) -> String {
+impl TensorNames {
+    /// The name of layer `i`'s weight of role `what` (`blk.3.attn_q.weight`,
+    /// `model.layers.3.self_attn.q_proj.weight`).
+    pub fn layer(&self, i: usize, what: &str) -> String {
         match self.scheme {
             NameScheme::Gguf => {
                 let n = match what {
@@ -120,7 +137,8 @@ impl Names {
         }
     }
 
-    fn global(&self, what: &str) -> &'static str {
+    /// The name of a weight outside the layers (`embed`, `norm`, `lm_head`).
+    pub fn global(&self, what: &str) -> &'static str {
         match (self.scheme, what) {
             (NameScheme::Gguf, "embed") => "token_embd.weight",
             (NameScheme::Gguf, "norm") => "output_norm.weight",
@@ -155,7 +173,7 @@ impl ModelWeights {
         cfg: &ModelConfig,
         norm_offset: f32,
     ) -> Result<Self> {
-        let names = Names {
+        let names = TensorNames {
             scheme,
             arch: cfg.architecture,
         };
@@ -174,7 +192,7 @@ impl ModelWeights {
             Ok(data)
         };
         let matrix = |name: &str, rows: usize, cols: usize| -> Result<Linear> {
-            let (shape, data) = src.load(name)?;
+            let (shape, data) = src.load_matrix(name)?;
             expect_shape(name, &shape, &[rows, cols])?;
             Linear::new(name, data, rows, cols)
         };
@@ -204,9 +222,7 @@ impl ModelWeights {
                 post_ffn_norm: optional(cfg.sandwich_norms, n("post_ffn_norm"), hidden)?,
             });
         }
-        let embed_name = names.global("embed");
-        let (shape, embed_tokens) = src.load(embed_name)?;
-        expect_shape(embed_name, &shape, &[cfg.vocab_size, hidden])?;
+        let embed_tokens = matrix(names.global("embed"), cfg.vocab_size, hidden)?;
         let lm_head_name = names.global("lm_head");
         let lm_head = if !cfg.tie_word_embeddings || src.contains(lm_head_name) {
             Some(matrix(lm_head_name, cfg.vocab_size, hidden)?)

@@ -41,7 +41,7 @@ impl Writer {
 
     /// A tensor whose data is appended at the next 32-byte boundary.
     fn tensor(&mut self, name: &str, dims: &[u64], ty: u32, data: &[u8]) -> &mut Self {
-        while self.data.len() % 32 != 0 {
+        while !self.data.len().is_multiple_of(32) {
             self.data.push(0);
         }
         string(&mut self.infos, name);
@@ -63,7 +63,7 @@ impl Writer {
         out.extend(self.n_kv.to_le_bytes());
         out.extend(&self.kvs);
         out.extend(&self.infos);
-        while out.len() % 32 != 0 {
+        while !out.len().is_multiple_of(32) {
             out.push(0);
         }
         out.extend(&self.data);

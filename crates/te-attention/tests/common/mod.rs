@@ -210,8 +210,79 @@ pub struct Run<O> {
     pub lse: Vec<f32>,
 }
 
-/// Runs the case through `forward_cpu` with NaN-poisoned outputs.
-pub fn run<T: Element, O: Element>(case: &Case, data: &Data) -> Run<O> {
+/// A case's inputs packed in its formats and storage type `T` (host
+/// buffers; the GPU tests upload them as they are).
+pub struct Inputs<T> {
+    /// Q in the case's `q_format`.
+    pub q: Vec<T>,
+    pub cu_q: Vec<i32>,
+    pub cu_kv: Vec<i32>,
+    pub kv: PackedKv<T>,
+}
+
+/// K/V of [`Inputs`]: tensors in the case's K/V format, or a paged cache
+/// (pages shuffled, unused slots poisoned with a large finite value).
+pub enum PackedKv<T> {
+    Tensors {
+        k: Vec<T>,
+        v: Vec<T>,
+    },
+    Cache {
+        k_cache: Vec<T>,
+        v_cache: Vec<T>,
+        page_table: Vec<i32>,
+        max_pages_per_seq: usize,
+        cache_seqlens: Vec<i32>,
+    },
+}
+
+impl<T> Inputs<T> {
+    pub fn meta(&self, case: &Case) -> AttnMetadata<'_> {
+        AttnMetadata {
+            batch: case.sq.len(),
+            max_seqlen_q: case.max_seqlen_q,
+            max_seqlen_kv: case.max_seqlen_kv,
+            cu_seqlens_q: Some(&self.cu_q),
+            cu_seqlens_kv: Some(&self.cu_kv),
+        }
+    }
+
+    /// The cache layout (`None` for tensors).
+    pub fn layout(&self, case: &Case) -> Option<KvCacheLayout<'_>> {
+        match (&self.kv, case.kv) {
+            (
+                PackedKv::Cache {
+                    page_table,
+                    max_pages_per_seq,
+                    cache_seqlens,
+                    ..
+                },
+                KvSource::Cache {
+                    page_size,
+                    ring_len,
+                },
+            ) => Some(KvCacheLayout {
+                num_heads_kv: case.h_kv,
+                head_dim_k: case.d_qk,
+                head_dim_v: case.d_v,
+                page_size,
+                page_table,
+                max_pages_per_seq: *max_pages_per_seq,
+                cache_seqlens,
+                ring_len,
+            }),
+            _ => None,
+        }
+    }
+
+    /// Output rows of the case's Q layout (`t_q` or `b * max_seqlen_q`).
+    pub fn q_rows(&self, case: &Case) -> usize {
+        self.q.len() / (case.h_q() * case.d_qk)
+    }
+}
+
+/// Packs a case's data into its formats (and cache, for cache sources).
+pub fn inputs<T: Element>(case: &Case, data: &Data) -> Inputs<T> {
     let (hq, hkv, dqk, dv) = (case.h_q(), case.h_kv, case.d_qk, case.d_v);
     let b = case.sq.len();
     let q = pack::<T>(
@@ -223,31 +294,11 @@ pub fn run<T: Element, O: Element>(case: &Case, data: &Data) -> Run<O> {
     );
     let cu_q = cu(&case.sq);
     let cu_kv = cu(&case.skv);
-    let meta = AttnMetadata {
-        batch: b,
-        max_seqlen_q: case.max_seqlen_q,
-        max_seqlen_kv: case.max_seqlen_kv,
-        cu_seqlens_q: Some(&cu_q),
-        cu_seqlens_kv: Some(&cu_kv),
-    };
-    let out_len = q.len() / dqk * dv;
-    let lse_len = q.len() / dqk;
-    let mut out = vec![O::from_f32(f32::NAN); out_len];
-    let mut lse = vec![f32::NAN; lse_len];
-    let attn = case.attention();
-    match case.kv {
-        KvSource::Tensors(f) => {
-            let k = pack::<T>(f, &data.k, &case.skv, case.max_seqlen_kv, hkv * dqk);
-            let v = pack::<T>(f, &data.v, &case.skv, case.max_seqlen_kv, hkv * dv);
-            attn.forward_cpu(
-                &q,
-                KvInput::Tensors { k: &k, v: &v },
-                &meta,
-                &mut out,
-                Some(&mut lse),
-            )
-            .unwrap();
-        }
+    let kv = match case.kv {
+        KvSource::Tensors(f) => PackedKv::Tensors {
+            k: pack::<T>(f, &data.k, &case.skv, case.max_seqlen_kv, hkv * dqk),
+            v: pack::<T>(f, &data.v, &case.skv, case.max_seqlen_kv, hkv * dv),
+        },
         KvSource::Cache {
             page_size,
             ring_len,
@@ -303,15 +354,38 @@ pub fn run<T: Element, O: Element>(case: &Case, data: &Data) -> Run<O> {
                     }
                 }
             }
-            let view = KvCacheView {
-                k_cache: &k_cache,
-                v_cache: &v_cache,
-                layout,
-            };
-            attn.forward_cpu(&q, KvInput::Cache(view), &meta, &mut out, Some(&mut lse))
-                .unwrap();
+            PackedKv::Cache {
+                k_cache,
+                v_cache,
+                page_table,
+                max_pages_per_seq,
+                cache_seqlens,
+            }
         }
-    }
+    };
+    Inputs { q, cu_q, cu_kv, kv }
+}
+
+/// Runs the case through `forward_cpu` with NaN-poisoned outputs.
+pub fn run<T: Element, O: Element>(case: &Case, data: &Data) -> Run<O> {
+    let inp = inputs::<T>(case, data);
+    let meta = inp.meta(case);
+    let rows = inp.q_rows(case);
+    let mut out = vec![O::from_f32(f32::NAN); rows * case.h_q() * case.d_v];
+    let mut lse = vec![f32::NAN; rows * case.h_q()];
+    let kv = match &inp.kv {
+        PackedKv::Tensors { k, v } => KvInput::Tensors { k, v },
+        PackedKv::Cache {
+            k_cache, v_cache, ..
+        } => KvInput::Cache(KvCacheView {
+            k_cache,
+            v_cache,
+            layout: inp.layout(case).unwrap(),
+        }),
+    };
+    case.attention()
+        .forward_cpu(&inp.q, kv, &meta, &mut out, Some(&mut lse))
+        .unwrap();
     Run { out, lse }
 }
 

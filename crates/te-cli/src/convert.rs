@@ -1,0 +1,60 @@
+//! `te convert`: a GGUF file to a Hugging Face model directory.
+
+use anyhow::bail;
+use te_models::convert::{convert_gguf_to_hf, OutputDtype};
+use te_models::hub::ModelSource;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// GGUF file or known model name.
+    #[arg(long)]
+    model: String,
+    /// Output directory (created if missing).
+    #[arg(long)]
+    out: std::path::PathBuf,
+    /// Weight dtype: f32 keeps the dequantized weights exactly (same greedy
+    /// tokens as the GGUF); bf16 halves the size but rounds every weight.
+    #[arg(long, value_enum, default_value_t = Dtype::F32)]
+    dtype: Dtype,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Dtype {
+    F32,
+    Bf16,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let path = match te_models::hub::resolve_model(&args.model)? {
+        ModelSource::Gguf(path) => path,
+        ModelSource::HfDir(dir) => bail!(
+            "--model {} is already a Hugging Face directory; te convert reads GGUF files",
+            dir.display()
+        ),
+    };
+    let dtype = match args.dtype {
+        Dtype::F32 => OutputDtype::F32,
+        Dtype::Bf16 => OutputDtype::Bf16,
+    };
+    let start = std::time::Instant::now();
+    let s = convert_gguf_to_hf(&path, &args.out, dtype)?;
+    eprintln!(
+        "wrote {} ({} tensors, {} parameters, {}{}{}) in {:.1} s",
+        args.out.display(),
+        s.tensors,
+        s.parameters,
+        dtype.torch_name(),
+        if s.unpermuted_qk {
+            ", Q/K rows un-permuted"
+        } else {
+            ""
+        },
+        if s.shifted_norms {
+            ", norms minus 1"
+        } else {
+            ""
+        },
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}

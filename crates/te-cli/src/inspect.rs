@@ -1,0 +1,58 @@
+//! `te inspect`: what a model is, without loading its weights.
+
+use std::io::Write;
+
+use te_models::inspect::{config_json, inspect};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// GGUF file, Hugging Face directory, or known model name.
+    #[arg(long)]
+    model: String,
+    /// Print one JSON object (`te_models::inspect::ModelInfo::to_json`).
+    #[arg(long)]
+    json: bool,
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    let source = te_models::hub::resolve_model(&args.model)?;
+    let info = inspect(&source)?;
+    if args.json {
+        writeln!(out, "{}", info.to_json())?;
+        return Ok(());
+    }
+    writeln!(out, "model:        {}", args.model)?;
+    writeln!(out, "architecture: {}", info.config.architecture.name())?;
+    writeln!(out, "format:       {}", info.format)?;
+    writeln!(out, "parameters:   {}", info.parameters)?;
+    let dtypes: Vec<String> = info
+        .tensor_dtypes
+        .iter()
+        .map(|(t, n)| format!("{t} x{n}"))
+        .collect();
+    writeln!(out, "tensors:      {}", dtypes.join(", "))?;
+    writeln!(
+        out,
+        "tokenizer:    {} (vocab {})",
+        info.tokenizer_kind, info.tokenizer_vocab_size
+    )?;
+    writeln!(
+        out,
+        "memory:       weights {} stored, {} as f32; KV cache {:.1} KiB per token (f32, all layers)",
+        mib(info.weights_stored_bytes),
+        mib(info.weights_f32_bytes),
+        info.kv_cache_bytes_per_token as f64 / 1024.0,
+    )?;
+    writeln!(out, "config:")?;
+    if let serde_json::Value::Object(fields) = config_json(&info.config) {
+        for (k, v) in fields {
+            writeln!(out, "  {k}: {v}")?;
+        }
+    }
+    Ok(())
+}
