@@ -63,3 +63,68 @@ fn bad_requests_give_one_line_errors() {
         );
     }
 }
+
+/// Writes a GGUF v3 header with `kv` string metadata and no tensors.
+fn gguf_with_strings(kv: &[(&str, &str)]) -> Vec<u8> {
+    let mut b = b"GGUF".to_vec();
+    b.extend(3u32.to_le_bytes());
+    b.extend(0u64.to_le_bytes()); // tensor_count
+    b.extend((kv.len() as u64).to_le_bytes());
+    for (k, v) in kv {
+        b.extend((k.len() as u64).to_le_bytes());
+        b.extend(k.as_bytes());
+        b.extend(8u32.to_le_bytes()); // value type: string
+        b.extend((v.len() as u64).to_le_bytes());
+        b.extend(v.as_bytes());
+    }
+    b
+}
+
+#[test]
+fn bad_model_files_give_one_line_errors() {
+    let dir = std::env::temp_dir().join(format!("te-bad-models-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let real = te_models::hub::resolve_model(MODEL).expect("run `cargo xtask fetch-models`");
+    let te_models::hub::ModelSource::Gguf(real) = real else {
+        panic!("{MODEL} is a GGUF file")
+    };
+    let real = std::fs::read(real).unwrap();
+    let mut absurd = b"GGUF".to_vec();
+    absurd.extend(3u32.to_le_bytes());
+    absurd.extend((1u64 << 60).to_le_bytes()); // tensor_count
+    absurd.extend(1u64.to_le_bytes());
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        (
+            "not-gguf.gguf",
+            b"hello, this is not a model".to_vec(),
+            "not a gguf",
+        ),
+        ("truncated.gguf", real[..4096].to_vec(), "truncated.gguf"),
+        ("absurd.gguf", absurd, "absurd.gguf"),
+        (
+            "mamba.gguf",
+            gguf_with_strings(&[("general.architecture", "mamba")]),
+            "mamba",
+        ),
+    ];
+    for (name, bytes, needle) in cases {
+        let path = dir.join(name);
+        std::fs::write(&path, bytes).unwrap();
+        let (ok, _, stderr) = te(&[
+            "generate",
+            "--model",
+            path.to_str().unwrap(),
+            "--prompt",
+            "hi",
+        ]);
+        assert!(!ok, "{name} should fail");
+        let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+        assert_eq!(errors.len(), 1, "{name}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{name}: {stderr}");
+        assert!(
+            errors[0].to_lowercase().contains(needle),
+            "{name}: expected {needle:?} in {stderr}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -15,15 +15,24 @@ use rayon::prelude::*;
 use te_kernels::{Element, QkvFormat};
 
 use crate::attention::{AttnMetadata, DotProductAttention, KvInput, Plan};
-use crate::tile_math::{axpy, dot, exp, exp_sub_sum, gemm};
+use crate::tile_math::{dots, exp, gemm};
 
 /// Target rows (query x head) per work unit.
 const TARGET_ROWS: usize = 64;
 /// Keys per key tile.
 const BC: usize = 128;
-/// Units with at most this many rows (decode) skip the K/V gather: scores
-/// are dot products and `o += p v` axpys straight from the source rows.
+/// Units with at most this many rows (decode) compute scores as dot
+/// products of each K row with the unit's query rows; larger units as a
+/// register-tiled product `s^T = K q^T`.
 const DIRECT_MAX_ROWS: usize = 8;
+/// Score columns of the tiled path are padded to a multiple of this (a
+/// multiple of every instruction set's `NR`).
+const COL_PAD: usize = 32;
+/// Keys ahead whose K and V rows are prefetched on the direct path.
+const PREFETCH_KEYS: usize = 4;
+/// Forwards with fewer multiply-adds than this run on the calling thread
+/// (rayon's wake-up costs more than the work).
+const SERIAL_MACS: usize = 1 << 18;
 
 #[derive(Clone, Copy)]
 struct Unit {
@@ -41,12 +50,24 @@ struct TileOut {
     lse: Vec<f32>,
 }
 
+/// Per-worker buffers, reused across units.
 #[derive(Default)]
 struct Scratch {
+    /// Scaled queries: `[m, d_qk]` (direct path) or `q^T: [d_qk, mp]`.
     q: Vec<f32>,
-    kt: Vec<f32>,
-    v: Vec<f32>,
+    /// Scores, then probabilities, transposed: `[bc, mp]`.
     s: Vec<f32>,
+    /// Element offsets of the tile's K and V rows (this KV head).
+    k_off: Vec<usize>,
+    v_off: Vec<usize>,
+    /// Per score column: visible keys `[start, end)` of the tile, running
+    /// max and sum, and the tile's max / rescale factor.
+    start: Vec<u32>,
+    end: Vec<u32>,
+    row_max: Vec<f32>,
+    row_sum: Vec<f32>,
+    tile_max: Vec<f32>,
+    corr: Vec<f32>,
 }
 
 struct Ctx<'a, T> {
@@ -59,6 +80,25 @@ struct Ctx<'a, T> {
     group: usize,
 }
 
+/// Prefetches the cache lines of `row` into L1 (a hint; no effect on
+/// results).
+#[inline(always)]
+fn prefetch<T>(row: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let bytes = std::mem::size_of_val(row);
+        let p = row.as_ptr() as *const i8;
+        for off in (0..bytes).step_by(64) {
+            // SAFETY: `off < bytes`, so the address is inside `row`;
+            // prefetching never faults and reads nothing into the program.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(off)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = row;
+}
+
 impl<T: Element> Ctx<'_, T> {
     fn q_row(&self, b: usize, i: usize) -> usize {
         let m = self.meta;
@@ -67,45 +107,82 @@ impl<T: Element> Ctx<'_, T> {
             .token_row(b, i, m.batch, m.max_seqlen_q, m.cu_seqlens_q.unwrap_or(&[]))
     }
 
-    /// Row of key `j` of sequence `b` in K/V (units of `h_kv * d`) and the
-    /// K and V tensors.
-    #[inline]
-    fn kv_row(&self, b: usize, j: usize) -> (usize, &[T], &[T]) {
+    /// The K and V tensors (or cache tensors).
+    fn kv_data(&self) -> (&[T], &[T]) {
         match self.kv {
-            KvInput::Tensors { k, v } => {
-                let m = self.meta;
-                let row = self.attn.kv_format.token_row(
-                    b,
-                    j,
-                    m.batch,
-                    m.max_seqlen_kv,
-                    m.cu_seqlens_kv.unwrap_or(&[]),
-                );
-                (row, k, v)
-            }
-            KvInput::Cache(view) => (view.layout.row(b, j), view.k_cache, view.v_cache),
+            KvInput::Tensors { k, v } => (k, v),
+            KvInput::Cache(view) => (view.k_cache, view.v_cache),
         }
     }
 
-    /// Runs one unit, compiled with AVX2+FMA when the CPU has them.
+    /// Rows (units of `h_kv * d`) of keys `j0..j0 + bc` of sequence `b`
+    /// into `rows` (cleared first); a cache page's address is looked up
+    /// once per page.
+    fn kv_rows(&self, b: usize, j0: usize, bc: usize, rows: &mut Vec<usize>) {
+        rows.clear();
+        match self.kv {
+            KvInput::Tensors { .. } => {
+                let m = self.meta;
+                let cu = m.cu_seqlens_kv.unwrap_or(&[]);
+                let f = self.attn.kv_format;
+                rows.extend((j0..j0 + bc).map(|j| f.token_row(b, j, m.batch, m.max_seqlen_kv, cu)));
+            }
+            KvInput::Cache(view) => {
+                let l = view.layout;
+                let mut j = j0;
+                while j < j0 + bc {
+                    // Slots of one page are consecutive rows; a ring
+                    // (`ring_len` a multiple of `page_size`) wraps only at a
+                    // page boundary.
+                    let logical = l.ring_len.map_or(j, |r| j % r);
+                    let run = (l.page_size - logical % l.page_size).min(j0 + bc - j);
+                    let row0 = l.row(b, j);
+                    rows.extend(row0..row0 + run);
+                    j += run;
+                }
+            }
+        }
+    }
+
+    /// Runs one unit with the widest instruction set the CPU has.
     fn run(&self, u: Unit, s: &mut Scratch) -> TileOut {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
-            // SAFETY: the CPU supports AVX2 and FMA (checked just above).
-            return unsafe { self.run_avx2(u, s) };
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU supports AVX-512F (checked just above);
+                // AVX-512F implies AVX2 and FMA.
+                return unsafe { self.run_avx512(u, s) };
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+                return unsafe { self.run_avx2(u, s) };
+            }
         }
-        self.run_impl::<false>(u, s)
+        self.run_impl::<false, 4, 8>(u, s)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn run_avx512(&self, u: Unit, s: &mut Scratch) -> TileOut {
+        self.run_impl::<true, 8, 32>(u, s)
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn run_avx2(&self, u: Unit, s: &mut Scratch) -> TileOut {
-        self.run_impl::<true>(u, s)
+        self.run_impl::<true, 4, 16>(u, s)
     }
 
+    /// One unit; `FMA`: compiled with FMA; `MR x NR`: the register tile of
+    /// the tiled path.
     #[inline(always)]
-    fn run_impl<const FMA: bool>(&self, u: Unit, s: &mut Scratch) -> TileOut {
+    fn run_impl<const FMA: bool, const MR: usize, const NR: usize>(
+        &self,
+        u: Unit,
+        s: &mut Scratch,
+    ) -> TileOut {
         let a = self.attn;
         let (hq, hkv, dqk, dv) = (
             a.num_attention_heads,
@@ -115,106 +192,196 @@ impl<T: Element> Ctx<'_, T> {
         );
         let group = self.group;
         let m = (u.i1 - u.i0) * group;
+        let direct = m <= DIRECT_MAX_ROWS;
+        // Score columns: m, padded on the tiled path.
+        let mp = if direct {
+            m
+        } else {
+            m.div_ceil(COL_PAD) * COL_PAD
+        };
         let key_range = self.plan.seqs[u.b].key_range;
+        let (k_all, v_all) = self.kv_data();
 
-        // q: [m, d_qk], pre-multiplied by softmax_scale.
-        s.q.resize(m * dqk, 0.0);
+        // Queries pre-multiplied by softmax_scale: [m, d_qk] (direct) or
+        // q^T [d_qk, mp] with zero padding columns.
+        s.q.clear();
+        s.q.resize(if direct { m * dqk } else { dqk * mp }, 0.0);
         for i in u.i0..u.i1 {
             let row = self.q_row(u.b, i);
             let src = &self.q[(row * hq + u.g * group) * dqk..][..group * dqk];
-            let dst = &mut s.q[(i - u.i0) * group * dqk..][..group * dqk];
-            for (d, x) in dst.iter_mut().zip(src) {
-                *d = x.to_f32() * self.scale;
+            let r0 = (i - u.i0) * group;
+            if direct {
+                for (d, x) in s.q[r0 * dqk..][..group * dqk].iter_mut().zip(src) {
+                    *d = x.to_f32() * self.scale;
+                }
+            } else {
+                for (hh, src) in src.chunks_exact(dqk).enumerate() {
+                    for (p, x) in src.iter().enumerate() {
+                        s.q[p * mp + r0 + hh] = x.to_f32() * self.scale;
+                    }
+                }
             }
         }
 
         let mut o = vec![0f32; m * dv];
-        let mut row_max = vec![f32::NEG_INFINITY; m];
-        let mut row_sum = vec![0f32; m];
+        s.row_max.clear();
+        s.row_max.resize(mp, f32::NEG_INFINITY);
+        s.row_sum.clear();
+        s.row_sum.resize(mp, 0.0);
+        for v in [&mut s.tile_max, &mut s.corr] {
+            v.clear();
+            v.resize(mp, 0.0);
+        }
+        s.start.clear();
+        s.start.resize(mp, 0);
+        s.end.clear();
+        s.end.resize(mp, 0);
+
         let lo = key_range.bounds(u.i0).0;
         let hi = key_range.bounds(u.i1 - 1).1;
         let mut j0 = lo;
         while j0 <= hi {
             let bc = (hi + 1 - j0).min(BC as i64) as usize;
             let j0u = j0 as usize;
-            s.s.resize(m * bc, 0.0);
-            if m <= DIRECT_MAX_ROWS {
-                // s[r, jj] = q_r · k_(j0 + jj), read in place.
+            self.kv_rows(u.b, j0u, bc, &mut s.k_off);
+            s.v_off.clear();
+            s.v_off
+                .extend(s.k_off.iter().map(|&r| (r * hkv + u.g) * dv));
+            for r in s.k_off.iter_mut() {
+                *r = (*r * hkv + u.g) * dqk;
+            }
+            s.s.resize(bc * mp, 0.0);
+
+            // s^T [bc, mp] = K q^T.
+            if direct {
+                let q = &s.q;
                 for jj in 0..bc {
-                    let (row, k, _) = self.kv_row(u.b, j0u + jj);
-                    let k_src = &k[(row * hkv + u.g) * dqk..][..dqk];
-                    for r in 0..m {
-                        s.s[r * bc + jj] = dot::<T, FMA>(&s.q[r * dqk..][..dqk], k_src);
+                    if let Some(&ko) = s.k_off.get(jj + PREFETCH_KEYS) {
+                        prefetch(&k_all[ko..][..dqk]);
+                        prefetch(&v_all[s.v_off[jj + PREFETCH_KEYS]..][..dv]);
+                    }
+                    let k_row = &k_all[s.k_off[jj]..][..dqk];
+                    let s_row = &mut s.s[jj * mp..][..mp];
+                    let mut r = 0;
+                    while r + 4 <= m {
+                        let d = dots::<T, 4, FMA>(
+                            std::array::from_fn(|x| &q[(r + x) * dqk..][..dqk]),
+                            k_row,
+                        );
+                        s_row[r..r + 4].copy_from_slice(&d);
+                        r += 4;
+                    }
+                    while r < m {
+                        s_row[r] = dots::<T, 1, FMA>([&q[r * dqk..][..dqk]], k_row)[0];
+                        r += 1;
                     }
                 }
             } else {
-                // kt: [d_qk, bc], v: [bc, d_v] gathered as f32.
-                s.kt.resize(dqk * bc, 0.0);
-                s.v.resize(bc * dv, 0.0);
-                for jj in 0..bc {
-                    let (row, k, v) = self.kv_row(u.b, j0u + jj);
-                    let k_src = &k[(row * hkv + u.g) * dqk..][..dqk];
-                    for (p, x) in k_src.iter().enumerate() {
-                        s.kt[p * bc + jj] = x.to_f32();
-                    }
-                    let v_src = &v[(row * hkv + u.g) * dv..][..dv];
-                    for (d, x) in s.v[jj * dv..][..dv].iter_mut().zip(v_src) {
-                        *d = x.to_f32();
-                    }
-                }
-                // s: [m, bc] = q · kt.
-                gemm::<FMA>(m, bc, dqk, &s.q, dqk, &s.kt, bc, &mut s.s, bc, false);
+                let (q, k_off) = (&s.q, &s.k_off);
+                gemm::<T, f32, MR, NR, FMA>(
+                    bc,
+                    mp,
+                    dqk,
+                    |jj| &k_all[k_off[jj]..][..dqk],
+                    1,
+                    |p| &q[p * mp..][..mp],
+                    &mut s.s,
+                    mp,
+                    false,
+                );
             }
+
+            // Visible keys of each column in this tile.
+            let mut full = true;
             for r in 0..m {
                 let (rlo, rhi) = key_range.bounds(u.i0 + r / group);
-                let start = (rlo - j0).clamp(0, bc as i64) as usize;
-                let end = (rhi + 1 - j0).clamp(0, bc as i64) as usize;
-                let row = &mut s.s[r * bc..][..bc];
-                if start >= end {
-                    row.fill(0.0);
-                    continue;
+                let start = (rlo - j0).clamp(0, bc as i64) as u32;
+                let end = (rhi + 1 - j0).clamp(0, bc as i64) as u32;
+                s.start[r] = start;
+                s.end[r] = end;
+                full &= start == 0 && end == bc as u32;
+            }
+            full &= m == mp;
+
+            if let Some(cap) = a.softcap {
+                for x in s.s[..bc * mp].iter_mut() {
+                    *x = cap * (*x / cap).tanh();
                 }
-                let valid = &mut row[start..end];
-                if let Some(cap) = a.softcap {
-                    for x in valid.iter_mut() {
-                        *x = cap * (*x / cap).tanh();
+            }
+            // Masked (and padding) entries become -inf, then exp gives 0.
+            if !full {
+                for (jj, row) in s.s.chunks_exact_mut(mp).take(bc).enumerate() {
+                    let jj = jj as u32;
+                    for ((x, &st), &en) in row.iter_mut().zip(&s.start).zip(&s.end) {
+                        if jj < st || jj >= en {
+                            *x = f32::NEG_INFINITY;
+                        }
                     }
                 }
-                let tile_max = valid.iter().fold(f32::NEG_INFINITY, |acc, &x| acc.max(x));
-                let new_max = row_max[r].max(tile_max);
-                let correction = exp(row_max[r] - new_max);
-                row_sum[r] = row_sum[r] * correction + exp_sub_sum(valid, new_max);
-                row_max[r] = new_max;
-                if correction != 1.0 {
+            }
+            // Online softmax, vectorized across columns.
+            s.tile_max.fill(f32::NEG_INFINITY);
+            for row in s.s.chunks_exact(mp).take(bc) {
+                for (t, &x) in s.tile_max.iter_mut().zip(row) {
+                    *t = t.max(x);
+                }
+            }
+            for (((t, c), rm), rs) in s
+                .tile_max
+                .iter_mut()
+                .zip(s.corr.iter_mut())
+                .zip(s.row_max.iter_mut())
+                .zip(s.row_sum.iter_mut())
+            {
+                let new_max = rm.max(*t);
+                if new_max == f32::NEG_INFINITY {
+                    // Nothing visible yet: p = exp(-inf - 0) = 0 below.
+                    *c = 1.0;
+                    *t = 0.0;
+                } else {
+                    *c = exp(*rm - new_max);
+                    *t = new_max;
+                    *rm = new_max;
+                }
+                *rs *= *c;
+            }
+            for row in s.s.chunks_exact_mut(mp).take(bc) {
+                for ((x, &mx), rs) in row.iter_mut().zip(&s.tile_max).zip(s.row_sum.iter_mut()) {
+                    *x = exp(*x - mx);
+                    *rs += *x;
+                }
+            }
+            for (r, &c) in s.corr[..m].iter().enumerate() {
+                if c != 1.0 {
                     for x in &mut o[r * dv..][..dv] {
-                        *x *= correction;
+                        *x *= c;
                     }
                 }
-                row[..start].fill(0.0);
-                row[end..].fill(0.0);
             }
-            // o: [m, d_v] += p · v.
-            if m <= DIRECT_MAX_ROWS {
-                for jj in 0..bc {
-                    let (row, _, v) = self.kv_row(u.b, j0u + jj);
-                    let v_src = &v[(row * hkv + u.g) * dv..][..dv];
-                    for r in 0..m {
-                        axpy::<T, FMA>(s.s[r * bc + jj], v_src, &mut o[r * dv..][..dv]);
-                    }
-                }
-            } else {
-                gemm::<FMA>(m, dv, bc, &s.s, bc, &s.v, dv, &mut o, dv, true);
-            }
+
+            // o [m, d_v] += p v, p = (s^T)^T.
+            let (p, v_off) = (&s.s, &s.v_off);
+            gemm::<f32, T, MR, NR, FMA>(
+                m,
+                dv,
+                bc,
+                |r| &p[r..],
+                mp,
+                |jj| &v_all[v_off[jj]..][..dv],
+                &mut o,
+                dv,
+                true,
+            );
             j0 += bc as i64;
         }
 
         let mut lse = vec![f32::NEG_INFINITY; m];
         for r in 0..m {
             let o_row = &mut o[r * dv..][..dv];
-            if row_sum[r] > 0.0 {
-                let inv = 1.0 / row_sum[r];
+            if s.row_sum[r] > 0.0 {
+                let inv = 1.0 / s.row_sum[r];
                 o_row.iter_mut().for_each(|x| *x *= inv);
-                lse[r] = row_max[r] + row_sum[r].ln();
+                lse[r] = s.row_max[r] + s.row_sum[r].ln();
             } else {
                 o_row.fill(0.0);
             }
@@ -257,10 +424,25 @@ pub(crate) fn forward<T: Element, O: Element>(
         scale: attn.effective_softmax_scale(),
         group,
     };
-    let tiles: Vec<TileOut> = units
-        .into_par_iter()
-        .map_init(Scratch::default, |s, u| ctx.run(u, s))
-        .collect();
+    // Multiply-adds: rows x visible keys x (d_qk + d_v), keys bounded by
+    // each unit's key span.
+    let macs: usize = units
+        .iter()
+        .map(|u| {
+            let kr = plan.seqs[u.b].key_range;
+            let span = (kr.bounds(u.i1 - 1).1 + 1 - kr.bounds(u.i0).0).max(0) as usize;
+            (u.i1 - u.i0) * group * span * (attn.head_dim_qk + attn.head_dim_v)
+        })
+        .sum();
+    let tiles: Vec<TileOut> = if macs < SERIAL_MACS {
+        let mut s = Scratch::default();
+        units.into_iter().map(|u| ctx.run(u, &mut s)).collect()
+    } else {
+        units
+            .into_par_iter()
+            .map_init(Scratch::default, |s, u| ctx.run(u, s))
+            .collect()
+    };
 
     // Scatter; rows no unit covers (bshd/sbhd padding) stay 0 / -inf.
     let (hq, dv) = (attn.num_attention_heads, attn.head_dim_v);

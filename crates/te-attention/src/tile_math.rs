@@ -1,40 +1,14 @@
 //! Dense f32 building blocks of the CPU kernel: a register-blocked tile
-//! product, dot and axpy, and a vectorizable `exp`. All `#[inline(always)]`:
-//! they are compiled into the caller, which the kernel compiles twice
-//! (baseline x86-64 and AVX2+FMA, chosen at run time).
+//! product over rows read in place, multi-row dot products, and a
+//! vectorizable `exp`. All `#[inline(always)]`: they are compiled into the
+//! caller, which the kernel compiles once per instruction set (baseline
+//! x86-64, AVX2+FMA, AVX-512, chosen at run time), with the register tile
+//! `MR x NR` picked for that set.
 
-/// Row block and column block of the register tile of [`gemm`].
 use te_kernels::Element;
 
-const MR: usize = 4;
-const NR: usize = 16;
-
-/// `c[m, n] (+)= a[m, k] · b[k, n]`, all row-major with leading dims
-/// `lda`, `ldb`, `ldc` (elements); accumulates into `c` when `accumulate`,
-/// overwrites it otherwise. `FMA`: the caller is compiled with FMA.
-#[inline(always)]
-pub fn gemm<const FMA: bool>(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: &[f32],
-    lda: usize,
-    b: &[f32],
-    ldb: usize,
-    c: &mut [f32],
-    ldc: usize,
-    accumulate: bool,
-) {
-    let mut r = 0;
-    while r + MR <= m {
-        block::<MR, FMA>(r, n, k, a, lda, b, ldb, c, ldc, accumulate);
-        r += MR;
-    }
-    while r < m {
-        block::<1, FMA>(r, n, k, a, lda, b, ldb, c, ldc, accumulate);
-        r += 1;
-    }
-}
+/// Lanes of the dot-product accumulators (one AVX-512 register, two AVX2).
+const LANES: usize = 16;
 
 /// `a * b + c`, fused when the caller is compiled with FMA (a libm call
 /// otherwise, hence the switch).
@@ -47,22 +21,65 @@ pub fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
     }
 }
 
-/// Rows `r0..r0 + R` of the product: `R x NR` register tiles, then the
-/// remaining columns one at a time.
+/// `c[i, j] (+)= sum_p a_i[p * a_cs] * b_p[j]` for `i < m`, `j < n`,
+/// `p < k`: `a_row(i)` is row `i` of A read with column stride `a_cs`
+/// (1: a plain row; the row count of a transposed operand otherwise),
+/// `b_row(p)` is row `p` of B (at least `n` elements); both are converted
+/// to f32. `c` is row-major with leading dim `ldc`; accumulates into `c`
+/// when `accumulate`, overwrites it otherwise. Register tiles of `MR x NR`
+/// (then 4 and 1 rows, and single columns for the remainders).
 #[inline(always)]
-fn block<const R: usize, const FMA: bool>(
-    r0: usize,
+pub fn gemm<'a, 'b, Ta: Element, Tb: Element, const MR: usize, const NR: usize, const FMA: bool>(
+    m: usize,
     n: usize,
     k: usize,
-    a: &[f32],
-    lda: usize,
-    b: &[f32],
-    ldb: usize,
+    a_row: impl Fn(usize) -> &'a [Ta],
+    a_cs: usize,
+    b_row: impl Fn(usize) -> &'b [Tb],
     c: &mut [f32],
     ldc: usize,
     accumulate: bool,
 ) {
-    let a_rows: [&[f32]; R] = std::array::from_fn(|i| &a[(r0 + i) * lda..][..k]);
+    let mut r = 0;
+    while r + MR <= m {
+        block::<Ta, Tb, MR, NR, FMA>(r, n, k, &a_row, a_cs, &b_row, c, ldc, accumulate);
+        r += MR;
+    }
+    while MR > 4 && r + 4 <= m {
+        block::<Ta, Tb, 4, NR, FMA>(r, n, k, &a_row, a_cs, &b_row, c, ldc, accumulate);
+        r += 4;
+    }
+    while r < m {
+        block::<Ta, Tb, 1, NR, FMA>(r, n, k, &a_row, a_cs, &b_row, c, ldc, accumulate);
+        r += 1;
+    }
+}
+
+/// Rows `r0..r0 + R` of [`gemm`]: `R x NR` register tiles, then the
+/// remaining columns one at a time.
+#[inline(always)]
+fn block<'a, 'b, Ta: Element, Tb: Element, const R: usize, const NR: usize, const FMA: bool>(
+    r0: usize,
+    n: usize,
+    k: usize,
+    a_row: &impl Fn(usize) -> &'a [Ta],
+    a_cs: usize,
+    b_row: &impl Fn(usize) -> &'b [Tb],
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+) {
+    if k == 0 {
+        if !accumulate {
+            for i in 0..R {
+                c[(r0 + i) * ldc..][..n].fill(0.0);
+            }
+        }
+        return;
+    }
+    // Exactly the elements read, so the loops below need no length checks
+    // beyond what the optimizer can prove.
+    let a_rows: [&[Ta]; R] = std::array::from_fn(|i| &a_row(r0 + i)[..(k - 1) * a_cs + 1]);
     let n_full = n / NR * NR;
     for c0 in (0..n_full).step_by(NR) {
         let mut t = [[0f32; NR]; R];
@@ -72,10 +89,11 @@ fn block<const R: usize, const FMA: bool>(
             }
         }
         for p in 0..k {
-            let b_row: &[f32; NR] = b[p * ldb + c0..][..NR].try_into().unwrap();
-            for (ti, a_row) in t.iter_mut().zip(&a_rows) {
-                let av = a_row[p];
-                for (tj, &bj) in ti.iter_mut().zip(b_row) {
+            let b: &[Tb; NR] = b_row(p)[c0..c0 + NR].try_into().unwrap();
+            let bv: [f32; NR] = std::array::from_fn(|j| b[j].to_f32());
+            for (ti, a) in t.iter_mut().zip(&a_rows) {
+                let av = a[p * a_cs].to_f32();
+                for (tj, &bj) in ti.iter_mut().zip(&bv) {
                     *tj = madd::<FMA>(av, bj, *tj);
                 }
             }
@@ -84,46 +102,60 @@ fn block<const R: usize, const FMA: bool>(
             c[(r0 + i) * ldc + c0..][..NR].copy_from_slice(ti);
         }
     }
-    for (i, a_row) in a_rows.iter().enumerate() {
-        for col in n_full..n {
-            let mut s = if accumulate {
-                c[(r0 + i) * ldc + col]
-            } else {
-                0.0
-            };
-            for (p, &av) in a_row.iter().enumerate() {
-                s = madd::<FMA>(av, b[p * ldb + col], s);
+    for col in n_full..n {
+        let mut t = [0f32; R];
+        if accumulate {
+            for (i, ti) in t.iter_mut().enumerate() {
+                *ti = c[(r0 + i) * ldc + col];
             }
-            c[(r0 + i) * ldc + col] = s;
+        }
+        for p in 0..k {
+            let bv = b_row(p)[col].to_f32();
+            for (ti, a) in t.iter_mut().zip(&a_rows) {
+                *ti = madd::<FMA>(a[p * a_cs].to_f32(), bv, *ti);
+            }
+        }
+        for (i, &ti) in t.iter().enumerate() {
+            c[(r0 + i) * ldc + col] = ti;
         }
     }
 }
 
-/// `sum_i a[i] * b[i]` with `b` converted to f32; eight partial sums so
-/// it vectorizes.
+/// `[q_r · k for r < R]` (`q_r`: f32, at least `k.len()` elements; `k`
+/// converted to f32): `k` is loaded once for the `R` rows, `LANES` partial
+/// sums per row.
 #[inline(always)]
-pub fn dot<T: Element, const FMA: bool>(a: &[f32], b: &[T]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ar, br) = (ac.remainder(), bc.remainder());
-    for (x, y) in ac.zip(bc) {
-        for ((s, &xi), &yi) in acc.iter_mut().zip(x).zip(y) {
-            *s = madd::<FMA>(xi, yi.to_f32(), *s);
+pub fn dots<T: Element, const R: usize, const FMA: bool>(q: [&[f32]; R], k: &[T]) -> [f32; R] {
+    let d = k.len();
+    let q: [&[f32]; R] = std::array::from_fn(|r| &q[r][..d]);
+    let mut acc = [[0f32; LANES]; R];
+    let full = d / LANES * LANES;
+    for c0 in (0..full).step_by(LANES) {
+        let kc: &[T; LANES] = k[c0..c0 + LANES].try_into().unwrap();
+        let kv: [f32; LANES] = std::array::from_fn(|l| kc[l].to_f32());
+        for (a, qr) in acc.iter_mut().zip(&q) {
+            let qc: &[f32; LANES] = qr[c0..c0 + LANES].try_into().unwrap();
+            for l in 0..LANES {
+                a[l] = madd::<FMA>(qc[l], kv[l], a[l]);
+            }
         }
     }
-    let mut sum = acc.iter().sum::<f32>();
-    for (&xi, &yi) in ar.iter().zip(br) {
-        sum = madd::<FMA>(xi, yi.to_f32(), sum);
+    let mut out: [f32; R] = std::array::from_fn(|r| hsum(acc[r]));
+    for p in full..d {
+        let kp = k[p].to_f32();
+        for (o, qr) in out.iter_mut().zip(&q) {
+            *o = madd::<FMA>(qr[p], kp, *o);
+        }
     }
-    sum
+    out
 }
 
-/// `y[i] += alpha * x[i]` with `x` converted to f32.
+/// Sum of the lanes, as a tree (vector halves) rather than a serial chain.
 #[inline(always)]
-pub fn axpy<T: Element, const FMA: bool>(alpha: f32, x: &[T], y: &mut [f32]) {
-    for (yi, &xi) in y.iter_mut().zip(x) {
-        *yi = madd::<FMA>(alpha, xi.to_f32(), *yi);
-    }
+fn hsum(a: [f32; LANES]) -> f32 {
+    let b: [f32; 8] = std::array::from_fn(|l| a[l] + a[l + 8]);
+    let c: [f32; 4] = std::array::from_fn(|l| b[l] + b[l + 4]);
+    (c[0] + c[2]) + (c[1] + c[3])
 }
 
 /// `exp(x)` for `x <= 88`, within 2 ulp; exactly 0 for `x < -87.3`
@@ -155,30 +187,6 @@ pub fn exp(x: f32) -> f32 {
     }
 }
 
-/// `row[j] = exp(row[j] - max)`, returns the sum (f32).
-#[inline(always)]
-pub fn exp_sub_sum(row: &mut [f32], max: f32) -> f32 {
-    // Eight partial sums so the reduction vectorizes.
-    let mut acc = [0f32; 8];
-    let mut chunks = row.chunks_exact_mut(8);
-    for ch in &mut chunks {
-        for (a, x) in acc.iter_mut().zip(ch.iter_mut()) {
-            *x = exp(*x - max);
-            *a += *x;
-        }
-    }
-    let mut sum: f32 = chunks
-        .into_remainder()
-        .iter_mut()
-        .map(|x| {
-            *x = exp(*x - max);
-            *x
-        })
-        .sum();
-    sum += acc.iter().sum::<f32>();
-    sum
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -203,43 +211,88 @@ mod tests {
         assert_eq!(exp(0.0), 1.0);
     }
 
-    #[test]
-    fn gemm_matches_f64_reference() {
+    fn check_gemm<const MR: usize, const NR: usize>() {
         for &(m, n, k) in &[
             (1, 1, 1),
             (4, 16, 8),
             (7, 37, 13),
             (9, 48, 130),
+            (13, 64, 5),
             (64, 128, 64),
+            (3, 5, 0),
         ] {
-            for accumulate in [false, true] {
-                let a: Vec<f32> = (0..m * k)
-                    .map(|i| ((i * 7 % 13) as f32 - 6.0) / 5.0)
-                    .collect();
-                let b: Vec<f32> = (0..k * n)
-                    .map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0)
-                    .collect();
-                let c0: Vec<f32> = (0..m * n).map(|i| (i % 3) as f32).collect();
-                let mut c = c0.clone();
-                gemm::<false>(m, n, k, &a, k, &b, n, &mut c, n, accumulate);
-                for i in 0..m {
-                    for j in 0..n {
-                        let mut want = if accumulate {
-                            c0[i * n + j] as f64
-                        } else {
-                            0.0
-                        };
-                        for p in 0..k {
-                            want += a[i * k + p] as f64 * b[p * n + j] as f64;
+            for a_cs in [1, 3] {
+                for accumulate in [false, true] {
+                    // a: element (i, p) at a[i + p * a_cs * m'] style
+                    // strides: row i starts at i * (k * a_cs) when a_cs = 1,
+                    // at i (column-major, a_cs = m) otherwise.
+                    let (a_cs, row_start): (usize, Box<dyn Fn(usize) -> usize>) = if a_cs == 1 {
+                        (1, Box::new(move |i| i * k))
+                    } else {
+                        (m, Box::new(|i| i))
+                    };
+                    let a: Vec<f32> = (0..m * k.max(1))
+                        .map(|i| ((i * 7 % 13) as f32 - 6.0) / 5.0)
+                        .collect();
+                    let b: Vec<f32> = (0..k * n)
+                        .map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0)
+                        .collect();
+                    let c0: Vec<f32> = (0..m * n).map(|i| (i % 3) as f32).collect();
+                    let mut c = c0.clone();
+                    gemm::<f32, f32, MR, NR, false>(
+                        m,
+                        n,
+                        k,
+                        |i| &a[row_start(i)..],
+                        a_cs,
+                        |p| &b[p * n..],
+                        &mut c,
+                        n,
+                        accumulate,
+                    );
+                    for i in 0..m {
+                        for j in 0..n {
+                            let mut want = if accumulate {
+                                c0[i * n + j] as f64
+                            } else {
+                                0.0
+                            };
+                            for p in 0..k {
+                                want += a[row_start(i) + p * a_cs] as f64 * b[p * n + j] as f64;
+                            }
+                            let got = c[i * n + j] as f64;
+                            assert!(
+                                (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                                "{MR}x{NR} {m}x{n}x{k} [{i},{j}]: {got} vs {want}"
+                            );
                         }
-                        let got = c[i * n + j] as f64;
-                        assert!(
-                            (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
-                            "{m}x{n}x{k} [{i},{j}]: {got} vs {want}"
-                        );
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn gemm_matches_f64_reference() {
+        check_gemm::<4, 8>();
+        check_gemm::<4, 16>();
+        check_gemm::<8, 32>();
+    }
+
+    #[test]
+    fn dots_match_f64_reference() {
+        for d in [1, 15, 16, 17, 64, 130] {
+            let q: Vec<f32> = (0..4 * d)
+                .map(|i| ((i * 7 % 13) as f32 - 6.0) / 5.0)
+                .collect();
+            let k: Vec<f32> = (0..d).map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0).collect();
+            let got = dots::<f32, 4, false>(std::array::from_fn(|r| &q[r * d..]), &k);
+            let one = dots::<f32, 1, false>([&q[d..]], &k);
+            for r in 0..4 {
+                let want: f64 = (0..d).map(|p| q[r * d + p] as f64 * k[p] as f64).sum();
+                assert!((got[r] as f64 - want).abs() <= 1e-4 * (1.0 + want.abs()));
+            }
+            assert_eq!(one[0], got[1]);
         }
     }
 }
