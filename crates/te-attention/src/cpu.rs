@@ -4,12 +4,16 @@
 //! `BR` queries; the unit's rows are (query, query head of `g`'s GQA group)
 //! pairs, `m = queries * kv_group <= ~64`, so each K/V row is read once for
 //! the whole group. For each key tile of up to `BC` keys (only those some
-//! row of the unit can see), K is gathered transposed into `kt: [d_qk, bc]`
-//! and V into `v: [bc, d_v]` (f32, any dtype, any cache page layout), then
-//! `s = q · kt`, softcap and mask, the running max `m`, sum `l` and output
-//! `o` are rescaled (Milakov & Gimelshein 2018; Dao et al. 2022,
-//! FlashAttention), and `o += p · v`. The score matrix never exceeds
-//! `m x BC`. Units run in parallel with rayon; scratch is reused per worker.
+//! row of the unit can see), the K and V rows are read in place (any dtype,
+//! any cache page layout; page addresses looked up once per page): the
+//! transposed scores `s^T: [bc, m]` are `K q^T` (a register-tiled product,
+//! or for decode-sized units per-key dot products with the next rows
+//! prefetched), then softcap and mask, the running max, sum and output are
+//! rescaled (Milakov & Gimelshein 2018; Dao et al. 2022, FlashAttention),
+//! vectorized across the `m` columns, and `o += p · v`. The score matrix
+//! never exceeds `BC x m`. The kernel is compiled for AVX-512, AVX2+FMA and
+//! baseline x86-64 and picked at run time. Units run in parallel with rayon
+//! (on the calling thread for small forwards); scratch is reused per worker.
 
 use rayon::prelude::*;
 use te_kernels::{Element, QkvFormat};
