@@ -93,7 +93,22 @@ fn bad_model_files_give_one_line_errors() {
     absurd.extend(3u32.to_le_bytes());
     absurd.extend((1u64 << 60).to_le_bytes()); // tensor_count
     absurd.extend(1u64.to_le_bytes());
+    // The real file with one tensor's type id set to 99, which no GGUF
+    // reader knows: tensor info = name, n_dims u32, dims u64 x n, type u32.
+    let name = b"blk.0.attn_q.weight";
+    let mut tagged = (name.len() as u64).to_le_bytes().to_vec();
+    tagged.extend_from_slice(name);
+    let at = real
+        .windows(tagged.len())
+        .position(|w| w == tagged.as_slice())
+        .expect("tensor info of blk.0.attn_q.weight")
+        + tagged.len();
+    let n_dims = u32::from_le_bytes(real[at..at + 4].try_into().unwrap()) as usize;
+    let type_at = at + 4 + 8 * n_dims;
+    let mut unknown_type = real.clone();
+    unknown_type[type_at..type_at + 4].copy_from_slice(&99u32.to_le_bytes());
     let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("unknown-type.gguf", unknown_type, "blk.0.attn_q.weight"),
         (
             "not-gguf.gguf",
             b"hello, this is not a model".to_vec(),

@@ -27,7 +27,7 @@ pub enum ModelError {
     #[error("unsupported architecture `{0}` (supported: llama, gemma, gemma2, gemma3)")]
     UnsupportedArchitecture(String),
     /// A GGUF tensor type te-rs cannot dequantize.
-    #[error("tensor `{tensor}`: unsupported GGUF tensor type {type_name}")]
+    #[error("tensor `{tensor}`: unsupported GGUF tensor type ({type_name})")]
     UnsupportedQuantization { tensor: String, type_name: String },
     /// Building or running the tokenizer failed.
     #[error("tokenizer: {0}")]

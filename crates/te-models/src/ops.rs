@@ -96,9 +96,11 @@ const DEQUANT_BLOCK_ROWS: usize = 256;
 
 /// `y = x · wᵀ` for a quantized `w: [n, k]` (`row_bytes` bytes per row).
 ///
-/// Decode (`t <=` [`GEMV_MAX_ROWS`]): each task dequantizes one weight row
-/// at a time into scratch and takes its dot products with every row of
-/// `x`, so memory traffic is the quantized bytes. Prefill: blocks of rows
+/// Decode (`t <=` [`GEMV_MAX_ROWS`]): each task reads one weight row at a
+/// time and takes its dot products with every row of `x`, so memory
+/// traffic is the quantized bytes; with AVX2 the row is decoded into
+/// registers 32 values at a time (bit-identical to dequantizing it into
+/// scratch, which the other CPUs and types do). Prefill: blocks of rows
 /// are dequantized and multiplied with the f32 GEMM.
 fn matmul_quantized(
     x: &[f32],
@@ -115,7 +117,7 @@ fn matmul_quantized(
         yt.par_chunks_mut(GEMV_BLOCK * t)
             .zip(data.par_chunks(GEMV_BLOCK * row_bytes))
             .for_each(|(yt, w)| gemv_quantized_block(x, t, k, ty, w, yt));
-        return transpose(&yt, n, t);
+        return transpose(yt, n, t);
     }
     let mut y = vec![0.0f32; t * n];
     let mut block = vec![0.0f32; DEQUANT_BLOCK_ROWS * k];
@@ -170,7 +172,70 @@ unsafe fn gemv_quantized_block_avx2(
     w: &[u8],
     yt: &mut [f32],
 ) {
-    gemv_quantized_block_generic(x, t, k, ty, w, yt)
+    if !crate::quant::avx2::available(ty) {
+        return gemv_quantized_block_generic(x, t, k, ty, w, yt);
+    }
+    match t {
+        1 => gemv_quantized_block_fused::<1>(x, k, ty, w, yt),
+        2 => gemv_quantized_block_fused::<2>(x, k, ty, w, yt),
+        3 => gemv_quantized_block_fused::<3>(x, k, ty, w, yt),
+        4 => gemv_quantized_block_fused::<4>(x, k, ty, w, yt),
+        5 => gemv_quantized_block_fused::<5>(x, k, ty, w, yt),
+        6 => gemv_quantized_block_fused::<6>(x, k, ty, w, yt),
+        7 => gemv_quantized_block_fused::<7>(x, k, ty, w, yt),
+        8 => gemv_quantized_block_fused::<8>(x, k, ty, w, yt),
+        _ => unreachable!("t <= GEMV_MAX_ROWS"),
+    }
+}
+
+/// [`gemv_quantized_block`] for `T` rows of `x` and a type with an AVX2
+/// decoder: each group of 32 weights is decoded into registers and
+/// multiplied into the accumulators directly (no scratch row). The
+/// products and sums are those of [`dot`] in the same order (lanes 0..8
+/// and 8..16 of its 16 accumulators, multiply then add, no FMA), so the
+/// results are bit-identical to dequantizing the row and calling [`dot`].
+///
+/// Compiled for exactly the decoders' features (no FMA), so that `groups`
+/// can be inlined into them.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+fn gemv_quantized_block_fused<const T: usize>(
+    x: &[f32],
+    k: usize,
+    ty: GgmlType,
+    w: &[u8],
+    yt: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let row_bytes = w.len() / (yt.len() / T);
+    let xs: [&[f32]; T] = std::array::from_fn(|i| &x[i * k..(i + 1) * k]);
+    for (w_row, out) in w.chunks_exact(row_bytes).zip(yt.chunks_exact_mut(T)) {
+        // Per row of x: dot's accumulator lanes 0..8 and 8..16.
+        let mut acc = [[_mm256_setzero_ps(); 2]; T];
+        let groups = |e: usize, v: [__m256; 4]| {
+            for (acc, x) in acc.iter_mut().zip(&xs) {
+                let x = &x[e..e + 32];
+                for (i, v) in v.into_iter().enumerate() {
+                    // SAFETY: reads x[8·i .. 8·i + 8], inside the 32 of `x`.
+                    let xi = unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * i)) };
+                    acc[i % 2] = _mm256_add_ps(acc[i % 2], _mm256_mul_ps(xi, v));
+                }
+            }
+        };
+        // SAFETY: this function runs only with AVX2 and F16C; the caller
+        // checked that `ty` has an AVX2 decoder.
+        unsafe { crate::quant::avx2::for_each_group(ty, w_row, groups) };
+        for (o, acc) in out.iter_mut().zip(acc) {
+            let mut lanes = [0.0f32; 16];
+            // SAFETY: writes lanes[0..8] and lanes[8..16].
+            unsafe {
+                _mm256_storeu_ps(lanes.as_mut_ptr(), acc[0]);
+                _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[1]);
+            }
+            // k is a whole number of 32-element groups: dot's tail is empty.
+            *o = dot_finish(&lanes, std::iter::empty::<f32>().sum());
+        }
+    }
 }
 
 #[inline(always)]
@@ -190,8 +255,12 @@ fn gemv_quantized_block_generic(
     }
 }
 
-/// `[rows, cols]` -> `[cols, rows]`.
-fn transpose(a: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+/// `[rows, cols]` -> `[cols, rows]` (no copy when `cols == 1`: the two
+/// layouts are the same).
+fn transpose(a: Vec<f32>, rows: usize, cols: usize) -> Vec<f32> {
+    if cols == 1 {
+        return a;
+    }
     let mut out = vec![0.0f32; a.len()];
     for (r, row) in a.chunks_exact(cols).enumerate() {
         for (c, v) in row.iter().enumerate() {
@@ -222,7 +291,7 @@ pub fn matmul_transposed(x: &[f32], t: usize, w: &[f32], n: usize, k: usize) -> 
         yt.par_chunks_mut(GEMV_BLOCK * t)
             .zip(w.par_chunks(GEMV_BLOCK * k))
             .for_each(|(yt, w)| gemv_block(x, t, k, w, yt));
-        return transpose(&yt, n, t);
+        return transpose(yt, n, t);
     }
     let mut y = vec![0.0f32; t * n];
     // C[t, n] = A[t, k] · B[k, n] with B = wᵀ: B[kk, j] = w[j, kk], i.e. row
@@ -292,6 +361,13 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
             acc[l] += xa[l] * xb[l];
         }
     }
+    dot_finish(&acc, tail)
+}
+
+/// The last step of [`dot`]: its accumulators summed in order, plus the
+/// sum of the tail products.
+#[inline(always)]
+fn dot_finish(acc: &[f32; 16], tail: f32) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
@@ -335,5 +411,53 @@ pub fn gelu_tanh(x: f32) -> f32 {
 pub fn add_inplace(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {
         *a += b;
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use proptest::prelude::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    use super::*;
+    use crate::quant::tests::{random_row, AVX2_TYPES};
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(32))]
+
+        /// Decode-sized quantized products (fused AVX2 path) equal the f32
+        /// product with the dequantized weight bit for bit, and a float64
+        /// reference within rounding.
+        #[test]
+        fn quantized_gemv_matches_dequantized(
+            seed: u64,
+            t in 1usize..=GEMV_MAX_ROWS,
+            n in 1usize..=150,
+            blocks_per_row in 1usize..=3,
+        ) {
+            let mut rng = StdRng::seed_from_u64(seed);
+            for (ty, f16_at) in AVX2_TYPES {
+                let (block_len, _) = ty.block_layout().expect("layout");
+                let k = blocks_per_row * block_len;
+                let data = random_row(ty, f16_at, n * blocks_per_row, &mut rng);
+                let x: Vec<f32> = (0..t * k).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+                let mut w = vec![f32::NAN; n * k];
+                crate::quant::dequantize("w", ty, &data, k, &mut w).expect("dequantize");
+                let got = matmul_quantized(&x, t, ty, &data, n, k);
+                let want = matmul_transposed(&x, t, &w, n, k);
+                for i in 0..t {
+                    for j in 0..n {
+                        let (g, e) = (got[i * n + j], want[i * n + j]);
+                        prop_assert_eq!(g.to_bits(), e.to_bits(), "{:?} y[{}, {}]: {} vs {}", ty, i, j, g, e);
+                        let pairs = x[i * k..(i + 1) * k].iter().zip(&w[j * k..(j + 1) * k]);
+                        let (exact, mag) = pairs.fold((0.0f64, 0.0f64), |(s, m), (&a, &b)| {
+                            (s + a as f64 * b as f64, m + (a as f64 * b as f64).abs())
+                        });
+                        prop_assert!((g as f64 - exact).abs() <= 1e-5 * mag + 1e-30, "{:?} y[{}, {}]: {} vs f64 {}", ty, i, j, g, exact);
+                    }
+                }
+            }
+        }
     }
 }

@@ -68,6 +68,9 @@ pub struct Tokenizer {
     parse_special: tokenizers::Tokenizer,
     /// The same, with special-token text treated as plain text.
     plain: tokenizers::Tokenizer,
+    /// Vocabulary size with added tokens (computed once: `tokenizers`
+    /// copies the whole vocabulary to count it).
+    vocab_size: usize,
     kind: String,
     bos_id: Option<u32>,
     eos_ids: Vec<u32>,
@@ -268,6 +271,7 @@ impl Tokenizer {
         let mut plain = inner.clone();
         plain.set_encode_special_tokens(true);
         Tokenizer {
+            vocab_size: inner.get_vocab_size(true),
             parse_special: inner,
             plain,
             kind,
@@ -322,7 +326,7 @@ impl Tokenizer {
 
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
-        self.parse_special.get_vocab_size(true)
+        self.vocab_size
     }
 
     /// The BOS id, if the model has one (whether or not it is added).

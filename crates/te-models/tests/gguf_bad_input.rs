@@ -281,7 +281,7 @@ fn unknown_tensor_types_open_but_cannot_be_read() {
         "{err}"
     );
     assert!(
-        err.to_string().contains("iq") && err.to_string().contains("type 99"),
+        err.to_string().contains("iq") && err.to_string().contains("id 99"),
         "{err}"
     );
 }

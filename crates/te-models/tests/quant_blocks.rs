@@ -342,7 +342,7 @@ fn unsupported_types_and_bad_sizes_are_errors() {
         "{err}"
     );
     let err = dequantize("w", GgmlType::Other(99), &[], 1, &mut []).unwrap_err();
-    assert!(err.to_string().contains("type 99"), "{err}");
+    assert!(err.to_string().contains("id 99"), "{err}");
     // Row length not a multiple of the block length.
     let err = dequantize("w", GgmlType::Q4_0, &[0; 18], 16, &mut [0.0; 32]).unwrap_err();
     assert!(err.to_string().contains("`w`"), "{err}");
