@@ -51,6 +51,40 @@ fn bad_requests_give_one_line_errors() {
             ],
             "no such file",
         ),
+        (
+            vec!["generate", "--model", MODEL, "--prompt", "hi", "--stop", ""],
+            "--stop",
+        ),
+        (
+            vec![
+                "generate",
+                "--model",
+                MODEL,
+                "--prompt",
+                "hi",
+                "--max-batch-size",
+                "0",
+            ],
+            "--max-batch-size",
+        ),
+        (
+            vec![
+                "generate",
+                "--model",
+                MODEL,
+                "--prompt",
+                "hi",
+                "--temperature",
+                "-1",
+            ],
+            "temperature",
+        ),
+        (
+            vec![
+                "generate", "--model", MODEL, "--prompt", "hi", "--top-p", "2",
+            ],
+            "top_p",
+        ),
     ] {
         let (ok, _, stderr) = te(&args);
         assert!(!ok, "te {:?} should fail", &args[..4]);
@@ -107,8 +141,19 @@ fn bad_model_files_give_one_line_errors() {
     let type_at = at + 4 + 8 * n_dims;
     let mut unknown_type = real.clone();
     unknown_type[type_at..type_at + 4].copy_from_slice(&99u32.to_le_bytes());
+    // A corrupt length of the first metadata key (bytes 24..32).
+    let mut long_key = real.clone();
+    long_key[26] = 0x0b;
+    // llama.block_count (a u32 value) set to 2^32 - 1.
+    let key = b"llama.block_count";
+    let at = real.windows(key.len()).position(|w| w == key).unwrap() + key.len();
+    assert_eq!(real[at..at + 4], 4u32.to_le_bytes(), "block_count is a u32");
+    let mut many_layers = real.clone();
+    many_layers[at + 4..at + 8].copy_from_slice(&u32::MAX.to_le_bytes());
     let cases: Vec<(&str, Vec<u8>, &str)> = vec![
         ("unknown-type.gguf", unknown_type, "blk.0.attn_q.weight"),
+        ("long-key.gguf", long_key, "65535"),
+        ("many-layers.gguf", many_layers, "llama.block_count"),
         (
             "not-gguf.gguf",
             b"hello, this is not a model".to_vec(),
@@ -139,6 +184,10 @@ fn bad_model_files_give_one_line_errors() {
         assert!(
             errors[0].to_lowercase().contains(needle),
             "{name}: expected {needle:?} in {stderr}"
+        );
+        assert!(
+            errors[0].len() < 500,
+            "{name}: error line too long: {stderr}"
         );
     }
     std::fs::remove_dir_all(&dir).unwrap();

@@ -15,25 +15,10 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use te_attention::cuda::CudaKvInput;
 use te_attention::AttnMaskType;
-use te_kernels::cuda::{gpu_available, CudaDevice, CudaElement};
+use te_kernels::cuda::{parity_test_device, CudaDevice, CudaElement};
 use te_kernels::QkvFormat;
 
 const FORMATS: [QkvFormat; 3] = [QkvFormat::Bshd, QkvFormat::Sbhd, QkvFormat::Thd];
-
-fn device() -> Option<CudaDevice> {
-    let why = match gpu_available() {
-        Ok(()) => match CudaDevice::new(0) {
-            Ok(dev) => return Some(dev),
-            Err(e) => e.to_string(),
-        },
-        Err(why) => why,
-    };
-    if std::env::var("TE_REQUIRE_GPU").as_deref() == Ok("1") {
-        panic!("TE_REQUIRE_GPU=1 but no usable GPU: {why}");
-    }
-    eprintln!("skipping GPU parity test: {why}");
-    None
-}
 
 /// Runs the case through `forward_cuda_with_splits` with NaN-poisoned `out`
 /// and `lse`.
@@ -240,7 +225,9 @@ fn random_case(
 
 #[test]
 fn every_format_source_and_mask_matches_cpu() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = parity_test_device() else {
+        return;
+    };
     let mut seed = 1u64;
     for q_format in FORMATS {
         for kind in 0..6 {
@@ -258,7 +245,9 @@ fn every_format_source_and_mask_matches_cpu() {
 
 #[test]
 fn paged_and_ring_caches_of_every_page_size_match_cpu() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = parity_test_device() else {
+        return;
+    };
     let mut seed = 1000u64;
     for page_size in [1, 16, 64] {
         for kind in [4, 5] {
@@ -278,7 +267,9 @@ fn paged_and_ring_caches_of_every_page_size_match_cpu() {
 /// page size, ring caches; split 1, forced splits and the heuristic.
 #[test]
 fn split_kv_decode_matches_cpu() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = parity_test_device() else {
+        return;
+    };
     let mut seed = 2000u64;
     for page_size in [1, 16, 64] {
         for ring in [None, Some(256)] {
@@ -321,7 +312,9 @@ fn split_kv_decode_matches_cpu() {
 /// group larger than a block's rows, ragged thd batch of 17.
 #[test]
 fn larger_prefill_matches_cpu() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = parity_test_device() else {
+        return;
+    };
     let mut rng = StdRng::seed_from_u64(3000);
     let sq: Vec<usize> = (0..17).map(|_| rng.gen_range(0..=97)).collect();
     let case = Case {

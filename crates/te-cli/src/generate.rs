@@ -7,6 +7,7 @@ use te_models::generate::{generate, Control, GenerationConfig, GenerationRequest
 use te_models::sampling::SamplingParams;
 
 #[derive(clap::Args)]
+#[command(allow_negative_numbers = true)]
 pub struct Args {
     /// GGUF file, Hugging Face directory, or known model name
     /// (smollm2-135m, gemma3-270m).
@@ -70,13 +71,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         prompts.extend(text.lines().filter(|l| !l.is_empty()).map(str::to_string));
     }
     if prompts.is_empty() {
-        bail!("no prompt given (use --prompt or --prompt-file)");
+        match &args.prompt_file {
+            Some(path) => bail!("--prompt-file {} has no non-empty line", path.display()),
+            None => bail!("no prompt given (use --prompt or --prompt-file)"),
+        }
     }
     if let Some(i) = prompts.iter().position(|p| p.is_empty()) {
         bail!("prompt {i} is empty");
     }
-    let loaded = crate::load(&args.model)?;
-    let tokenizer = &loaded.tokenizer;
+    if args.stop.iter().any(String::is_empty) {
+        bail!("--stop takes a non-empty string");
+    }
+    if args.max_batch_size == 0 {
+        bail!("--max-batch-size must be at least 1");
+    }
     let sampling = SamplingParams {
         temperature: args.temperature,
         top_k: args.top_k,
@@ -85,6 +93,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         repetition_penalty: args.repeat_penalty,
         seed: args.seed,
     };
+    sampling.validate().map_err(anyhow::Error::msg)?;
+    let loaded = crate::load(&args.model)?;
+    let tokenizer = &loaded.tokenizer;
     let mut requests = Vec::with_capacity(prompts.len());
     for (i, p) in prompts.iter().enumerate() {
         let ids = tokenizer

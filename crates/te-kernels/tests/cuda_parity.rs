@@ -8,8 +8,8 @@ use half::{bf16, f16};
 use rand::{seq::SliceRandom, Rng, SeedableRng};
 use te_kernels::cuda::{
     apply_rope_cuda, apply_rope_cuda_out, compile_ptx, convert_bshd_to_thd_cuda,
-    convert_thd_to_bshd_cuda, gpu_available, save_kv_cuda, CudaDevice, CudaElement, CudaRopeTable,
-    KV_CACHE_CU, ROPE_CU,
+    convert_thd_to_bshd_cuda, parity_test_device, save_kv_cuda, CudaDevice, CudaElement,
+    CudaRopeTable, KV_CACHE_CU, ROPE_CU,
 };
 use te_kernels::{
     apply_rope_cpu, apply_rope_cpu_out, convert_bshd_to_thd, convert_thd_to_bshd, save_kv_cpu,
@@ -18,21 +18,6 @@ use te_kernels::{
 };
 
 type Rng64 = rand::rngs::StdRng;
-
-fn device() -> Option<CudaDevice> {
-    let why = match gpu_available() {
-        Ok(()) => match CudaDevice::new(0) {
-            Ok(dev) => return Some(dev),
-            Err(e) => e.to_string(),
-        },
-        Err(why) => why,
-    };
-    if std::env::var("TE_REQUIRE_GPU").as_deref() == Ok("1") {
-        panic!("TE_REQUIRE_GPU=1 but no usable GPU: {why}");
-    }
-    eprintln!("skipping GPU parity test: {why}");
-    None
-}
 
 const FORMATS: [QkvFormat; 3] = [QkvFormat::Bshd, QkvFormat::Sbhd, QkvFormat::Thd];
 
@@ -245,7 +230,9 @@ fn kv_parity<T: CudaElement>(dev: &CudaDevice, rng: &mut Rng64) {
 
 #[test]
 fn rope_cuda_matches_cpu() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = parity_test_device() else {
+        return;
+    };
     let mut rng = Rng64::seed_from_u64(1);
     rope_parity::<f32>(&dev, 1e-5, &mut rng);
     // One rounding of the f32 result may differ (FMA contraction): one ulp.
@@ -255,7 +242,9 @@ fn rope_cuda_matches_cpu() {
 
 #[test]
 fn kv_cache_cuda_matches_cpu() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = parity_test_device() else {
+        return;
+    };
     let mut rng = Rng64::seed_from_u64(2);
     kv_parity::<f32>(&dev, &mut rng);
     kv_parity::<bf16>(&dev, &mut rng);
@@ -264,7 +253,9 @@ fn kv_cache_cuda_matches_cpu() {
 
 #[test]
 fn cuda_errors_before_launch() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = parity_test_device() else {
+        return;
+    };
     let table = RopeTable::new(&RopeFreqs {
         base: 10000.0,
         rotary_dim: 4,

@@ -104,6 +104,22 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
 }
 
+/// Largest size or count a config field may hold (2^24): larger values are
+/// corrupt files, refused before anything is allocated for them.
+pub const MAX_CONFIG_SIZE: usize = 1 << 24;
+
+/// `v` if it is a plausible size for `field` (1..=[`MAX_CONFIG_SIZE`]),
+/// else a config error naming the field.
+pub fn plausible_size(field: &str, v: usize) -> crate::Result<usize> {
+    if v == 0 || v > MAX_CONFIG_SIZE {
+        return Err(crate::ModelError::Config {
+            field: field.to_string(),
+            reason: format!("{v} is not in 1..={MAX_CONFIG_SIZE}"),
+        });
+    }
+    Ok(v)
+}
+
 impl ModelConfig {
     /// Query heads per KV head.
     pub fn kv_group(&self) -> usize {
@@ -128,12 +144,7 @@ impl ModelConfig {
             ("head_dim", self.head_dim),
             ("max_position_embeddings", self.max_position_embeddings),
         ] {
-            if v == 0 {
-                return bad(field, "must be positive".into());
-            }
-            if v > 1 << 24 {
-                return bad(field, format!("{v} is implausibly large"));
-            }
+            plausible_size(field, v)?;
         }
         if !self
             .num_attention_heads
@@ -164,10 +175,51 @@ impl ModelConfig {
             );
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
-            return bad("rms_norm_eps", format!("{}", self.rms_norm_eps));
+            return bad(
+                "rms_norm_eps",
+                format!("{} must be a finite number >= 0", self.rms_norm_eps),
+            );
         }
-        if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
-            return bad("rope_theta", format!("{}", self.rope_theta));
+        for (field, base) in [
+            ("rope_theta", self.rope_theta),
+            ("rope_local_base_freq", self.rope_local_base_freq),
+        ] {
+            if !(base.is_finite() && base > 1.0) {
+                return bad(field, format!("{base} must be a finite number > 1"));
+            }
+        }
+        if !(self.softmax_scale.is_finite() && self.softmax_scale > 0.0) {
+            return bad(
+                "query_pre_attn_scalar",
+                format!(
+                    "gives attention scale {}; it must be > 0",
+                    self.softmax_scale
+                ),
+            );
+        }
+        for (field, cap) in [
+            ("attn_logit_softcapping", self.attn_logit_softcapping),
+            ("final_logit_softcapping", self.final_logit_softcapping),
+        ] {
+            if let Some(c) = cap.filter(|c| !(c.is_finite() && *c > 0.0)) {
+                return bad(field, format!("{c} must be > 0"));
+            }
+        }
+        if self.layer_windows.contains(&Some(0)) {
+            return bad("sliding_window", "0 must be at least 1".into());
+        }
+        let out_of_vocab = |id: &u32| *id as usize >= self.vocab_size;
+        if let Some(id) = self.bos_token_id.filter(out_of_vocab) {
+            return bad(
+                "bos_token_id",
+                format!("{id} is outside the vocabulary of {}", self.vocab_size),
+            );
+        }
+        if let Some(id) = self.eos_token_ids.iter().find(|id| out_of_vocab(id)) {
+            return bad(
+                "eos_token_id",
+                format!("{id} is outside the vocabulary of {}", self.vocab_size),
+            );
         }
         Ok(())
     }

@@ -389,9 +389,9 @@ fn push_matrix<'a>(
 }
 
 fn write_file(path: &Path, text: &str) -> Result<()> {
-    std::fs::write(path, text).map_err(|source| ModelError::Io {
+    std::fs::write(path, text).map_err(|error| ModelError::Io {
         path: path.to_path_buf(),
-        source,
+        error,
     })
 }
 
@@ -409,9 +409,9 @@ pub fn convert_gguf_to_hf(
     let LoadedModel { model, tokenizer } = load_model(&ModelSource::Gguf(gguf.to_path_buf()))?;
     let cfg = &model.config;
     let w = &model.weights;
-    std::fs::create_dir_all(out_dir).map_err(|source| ModelError::Io {
+    std::fs::create_dir_all(out_dir).map_err(|error| ModelError::Io {
         path: out_dir.to_path_buf(),
-        source,
+        error,
     })?;
 
     let unpermute = cfg.rope_convention == RopeConvention::Interleaved;
@@ -496,7 +496,7 @@ pub fn convert_gguf_to_hf(
     safetensors::serialize_to_file(tensors, Some(metadata), &st_path).map_err(|e| {
         ModelError::Io {
             path: st_path.clone(),
-            source: std::io::Error::other(e.to_string()),
+            error: std::io::Error::other(e.to_string()),
         }
     })?;
     // The writer creates the file private (a temporary file renamed into
@@ -505,9 +505,9 @@ pub fn convert_gguf_to_hf(
     {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&st_path, std::fs::Permissions::from_mode(0o644)).map_err(
-            |source| ModelError::Io {
+            |error| ModelError::Io {
                 path: st_path.clone(),
-                source,
+                error,
             },
         )?;
     }
@@ -669,8 +669,8 @@ mod tests {
             scale_embedding: false,
             sandwich_norms: false,
             tie_word_embeddings: false,
-            bos_token_id: Some(128000),
-            eos_token_ids: vec![128001, 128009],
+            bos_token_id: Some(200),
+            eos_token_ids: vec![201, 209],
             ..gemma2_like()
         };
         let back = round_trip_config(&llama, "llama");

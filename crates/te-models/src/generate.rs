@@ -133,7 +133,8 @@ pub fn generate(
             "max_batch_size, prefill_chunk and page_size must be at least 1".into(),
         ));
     }
-    let limit = |r: &GenerationRequest| (r.prompt_tokens.len() + r.max_new_tokens).min(ctx);
+    let limit =
+        |r: &GenerationRequest| (r.prompt_tokens.len().saturating_add(r.max_new_tokens)).min(ctx);
     let mut outputs: Vec<Option<GenerationOutput>> = vec![None; requests.len()];
     // Requests that generate nothing finish before they start.
     let mut pending: VecDeque<usize> = VecDeque::new();

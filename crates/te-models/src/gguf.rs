@@ -160,9 +160,9 @@ impl GgufFile {
     /// duplicate names, or tensor data that lies outside the file.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
         let path = path.as_ref().to_path_buf();
-        let io = |source| ModelError::Io {
+        let io = |error| ModelError::Io {
             path: path.clone(),
-            source,
+            error,
         };
         let file = File::open(&path).map_err(io)?;
         // SAFETY: the map is read-only; as with every mmap-based model
@@ -197,7 +197,7 @@ impl GgufFile {
         let mut metadata = Vec::with_capacity(kv_count as usize);
         let mut metadata_index = HashMap::with_capacity(kv_count as usize);
         for i in 0..kv_count {
-            let key = r.string(&format!("key of metadata entry {i}"))?;
+            let key = r.name(&format!("key of metadata entry {i}"))?;
             let ty = r.u32(&format!("type of metadata `{key}`"))?;
             let value = r.value(ty, &key, 0)?;
             if metadata_index.insert(key.clone(), metadata.len()).is_some() {
@@ -222,7 +222,7 @@ impl GgufFile {
         let mut tensors = Vec::with_capacity(tensor_count as usize);
         let mut tensor_index = HashMap::with_capacity(tensor_count as usize);
         for i in 0..tensor_count {
-            let name = r.string(&format!("name of tensor {i}"))?;
+            let name = r.name(&format!("name of tensor {i}"))?;
             let n_dims = r.u32(&format!("n_dims of tensor `{name}`"))?;
             if n_dims == 0 || n_dims > MAX_DIMS {
                 return Err(r.err(format!(
@@ -541,6 +541,26 @@ impl<'a> Reader<'a> {
 
     /// A GGUF string. Invalid UTF-8 is replaced with U+FFFD (llama.cpp
     /// accepts arbitrary bytes; real vocabularies are valid UTF-8).
+    /// A metadata key or tensor name: a string of at most 65535 bytes
+    /// (the GGUF limit for keys) without control characters, so a corrupt
+    /// length cannot pour file bytes into an error message.
+    fn name(&mut self, what: &str) -> Result<String> {
+        let at = self.pos;
+        let len = self.u64(what)?;
+        if len > u16::MAX as u64 {
+            return Err(self.err(format!(
+                "{what} at byte {at}: length {len} exceeds the 65535-byte limit of GGUF names"
+            )));
+        }
+        let name = self.string_of_len(len as usize, what)?;
+        if name.chars().any(char::is_control) || name.contains('\u{FFFD}') {
+            return Err(self.err(format!(
+                "{what} at byte {at} is not a valid name (control characters or invalid UTF-8)"
+            )));
+        }
+        Ok(name)
+    }
+
     fn string(&mut self, what: &str) -> Result<String> {
         let len = self.u64(what)?;
         if len > self.remaining() as u64 {
@@ -549,7 +569,11 @@ impl<'a> Reader<'a> {
                 self.remaining()
             )));
         }
-        let bytes = self.bytes(len as usize, what)?;
+        self.string_of_len(len as usize, what)
+    }
+
+    fn string_of_len(&mut self, len: usize, what: &str) -> Result<String> {
+        let bytes = self.bytes(len, what)?;
         Ok(String::from_utf8_lossy(bytes).into_owned())
     }
 

@@ -9,7 +9,7 @@
 
 use te_kernels::rope::{RopeConvention, RopeScaling};
 
-use crate::config::{Activation, Architecture, ModelConfig};
+use crate::config::{plausible_size, Activation, Architecture, ModelConfig};
 use crate::gguf::GgufFile;
 use crate::ops::WeightData;
 use crate::weights::TensorSource;
@@ -72,7 +72,7 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
 
     let hidden_size = get_usize("embedding_length")?;
     let num_attention_heads = get_usize("attention.head_count")?;
-    let num_hidden_layers = get_usize("block_count")?;
+    let num_hidden_layers = plausible_size(&key("block_count"), get_usize("block_count")?)?;
     let head_dim =
         opt_usize("attention.key_length")?.unwrap_or(hidden_size / num_attention_heads.max(1));
     let vocab_size = match f.tensor_info("token_embd.weight") {

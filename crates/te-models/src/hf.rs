@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use te_kernels::rope::{RopeConvention, RopeScaling};
 
-use crate::config::{Activation, Architecture, ModelConfig};
+use crate::config::{plausible_size, Activation, Architecture, ModelConfig};
 use crate::weights::TensorSource;
 use crate::{ModelError, Result};
 
@@ -78,9 +78,9 @@ fn token_ids(v: &Option<serde_json::Value>, name: &str) -> Result<Vec<u32>> {
 }
 
 fn read_json(path: &Path) -> Result<String> {
-    std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+    std::fs::read_to_string(path).map_err(|error| ModelError::Io {
         path: path.to_path_buf(),
-        source,
+        error,
     })
 }
 
@@ -105,7 +105,7 @@ pub fn load_config(dir: &Path) -> Result<ModelConfig> {
     }
     let architecture = Architecture::parse(&model_type).ok_or_else(|| ModelError::Config {
         field: "model_type".into(),
-        reason: format!("unknown model_type `{model_type}` (supported: llama, gemma, gemma2, gemma3, gemma3_text)"),
+        reason: format!("unknown model_type `{model_type}` (supported: llama, mistral, gemma, gemma2, gemma3, gemma3_text)"),
     })?;
     let mut cfg = config_from_hf(architecture, &raw)?;
     let gen_path = dir.join("generation_config.json");
@@ -128,7 +128,10 @@ fn config_from_hf(architecture: Architecture, raw: &HfConfig) -> Result<ModelCon
     let gemma = architecture.is_gemma();
     let hidden_size = field(raw.hidden_size, "hidden_size")?;
     let num_attention_heads = field(raw.num_attention_heads, "num_attention_heads")?;
-    let num_hidden_layers = field(raw.num_hidden_layers, "num_hidden_layers")?;
+    let num_hidden_layers = plausible_size(
+        "num_hidden_layers",
+        field(raw.num_hidden_layers, "num_hidden_layers")?,
+    )?;
     let head_dim = raw
         .head_dim
         .unwrap_or(hidden_size / num_attention_heads.max(1));
@@ -294,14 +297,14 @@ impl SafetensorsSource {
         let mut index = HashMap::new();
         for name in shard_names {
             let path = dir.join(&name);
-            let file = std::fs::File::open(&path).map_err(|source| ModelError::Io {
+            let file = std::fs::File::open(&path).map_err(|error| ModelError::Io {
                 path: path.clone(),
-                source,
+                error,
             })?;
             // SAFETY: the file is opened read-only and not modified while mapped.
-            let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| ModelError::Io {
+            let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|error| ModelError::Io {
                 path: path.clone(),
-                source,
+                error,
             })?;
             let st =
                 safetensors::SafeTensors::deserialize(&mmap).map_err(|e| ModelError::Format {

@@ -127,26 +127,8 @@ fn matmul_quantized(
         w.par_chunks_mut(k)
             .zip(rows.par_chunks(row_bytes))
             .for_each(|(o, r)| dequantize_blocks(ty, r, o));
-        // y[:, b*R .. b*R + nb] = x · wᵀ, written in place with row stride n.
-        // SAFETY: the output block lies inside y: columns b*R..b*R+nb < n of t rows.
-        unsafe {
-            matrixmultiply::sgemm(
-                t,
-                k,
-                nb,
-                1.0,
-                x.as_ptr(),
-                k as isize,
-                1,
-                w.as_ptr(),
-                1,
-                k as isize,
-                0.0,
-                y.as_mut_ptr().add(b * DEQUANT_BLOCK_ROWS),
-                n as isize,
-                1,
-            );
-        }
+        // y[:, b*R .. b*R + nb] = x · wᵀ.
+        gemm_xwt_into(x, t, k, w, nb, &mut y, b * DEQUANT_BLOCK_ROWS, n);
     }
     y
 }
@@ -255,6 +237,50 @@ fn gemv_quantized_block_generic(
     }
 }
 
+/// Columns `col0 .. col0 + n` of `y: [t, ldy]` = `x · wᵀ` with `x: [t, k]`,
+/// `w: [n, k]` (f32 GEMM, `matrixmultiply`).
+fn gemm_xwt_into(
+    x: &[f32],
+    t: usize,
+    k: usize,
+    w: &[f32],
+    n: usize,
+    y: &mut [f32],
+    col0: usize,
+    ldy: usize,
+) {
+    assert!(
+        x.len() >= t * k && w.len() >= n * k,
+        "gemm_xwt_into: short input"
+    );
+    assert!(
+        col0 + n <= ldy && y.len() >= t * ldy,
+        "gemm_xwt_into: short output"
+    );
+    // C[t, n] = A[t, k] · B[k, n] with B = wᵀ: B[kk, j] = w[j, kk], i.e. row
+    // stride 1 and column stride k over w's storage; C starts at column col0
+    // of y with row stride ldy.
+    // SAFETY: the asserts above bound every index sgemm reads or writes.
+    unsafe {
+        matrixmultiply::sgemm(
+            t,
+            k,
+            n,
+            1.0,
+            x.as_ptr(),
+            k as isize,
+            1,
+            w.as_ptr(),
+            1,
+            k as isize,
+            0.0,
+            y.as_mut_ptr().add(col0),
+            ldy as isize,
+            1,
+        );
+    }
+}
+
 /// `[rows, cols]` -> `[cols, rows]` (no copy when `cols == 1`: the two
 /// layouts are the same).
 fn transpose(a: Vec<f32>, rows: usize, cols: usize) -> Vec<f32> {
@@ -294,27 +320,7 @@ pub fn matmul_transposed(x: &[f32], t: usize, w: &[f32], n: usize, k: usize) -> 
         return transpose(yt, n, t);
     }
     let mut y = vec![0.0f32; t * n];
-    // C[t, n] = A[t, k] · B[k, n] with B = wᵀ: B[kk, j] = w[j, kk], i.e. row
-    // stride 1 and column stride k over w's storage.
-    // SAFETY: the asserts above bound every index sgemm reads or writes.
-    unsafe {
-        matrixmultiply::sgemm(
-            t,
-            k,
-            n,
-            1.0,
-            x.as_ptr(),
-            k as isize,
-            1,
-            w.as_ptr(),
-            1,
-            k as isize,
-            0.0,
-            y.as_mut_ptr(),
-            n as isize,
-            1,
-        );
-    }
+    gemm_xwt_into(x, t, k, w, n, &mut y, 0, n);
     y
 }
 

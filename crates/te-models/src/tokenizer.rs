@@ -215,9 +215,9 @@ impl Tokenizer {
     /// Errors: [`ModelError::Io`] when unreadable, [`ModelError::Tokenizer`]
     /// when not a valid `tokenizer.json`.
     pub fn from_file(path: &Path) -> Result<Tokenizer> {
-        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+        let text = std::fs::read_to_string(path).map_err(|error| ModelError::Io {
             path: path.to_path_buf(),
-            source,
+            error,
         })?;
         let inner: tokenizers::Tokenizer = text
             .parse()

@@ -210,7 +210,7 @@ fn absurd_counts_and_lengths_are_rejected_cheaply() {
     let mut b = header(3, 0, 1);
     b.extend((1u64 << 50).to_le_bytes());
     b.extend([0u8; 64]);
-    expect_format_error("keylen", &b, "string length");
+    expect_format_error("keylen", &b, "65535-byte limit");
 
     let mut b = header(3, 0, 1);
     string(&mut b, "k");

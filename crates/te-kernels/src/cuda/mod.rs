@@ -103,6 +103,24 @@ pub fn gpu_available() -> Result<(), String> {
     }
 }
 
+/// Device 0 for a GPU parity test, or `None` after printing why the test
+/// is skipped. Panics instead when `TE_REQUIRE_GPU=1` (set by
+/// `cargo xtask test --gpu`), so a missing GPU fails loudly there.
+pub fn parity_test_device() -> Option<CudaDevice> {
+    let why = match gpu_available() {
+        Ok(()) => match CudaDevice::new(0) {
+            Ok(dev) => return Some(dev),
+            Err(e) => e.to_string(),
+        },
+        Err(why) => why,
+    };
+    if std::env::var("TE_REQUIRE_GPU").as_deref() == Ok("1") {
+        panic!("TE_REQUIRE_GPU=1 but no usable GPU: {why}");
+    }
+    eprintln!("skipping GPU parity test: {why}");
+    None
+}
+
 /// A storage type the CUDA kernels handle; `SUFFIX` names the kernel
 /// instance (`rope_fwd_bf16`).
 pub trait CudaElement: Element + DeviceRepr + ValidAsZeroBits {
