@@ -11,7 +11,7 @@ use crate::convert::f32_json;
 use crate::gguf::GgufFile;
 use crate::hf::SafetensorsSource;
 use crate::hub::ModelSource;
-use crate::loader::{load_config_only, load_tokenizer};
+use crate::loader::{load_config_only, load_tokenizer, merge_eos};
 use crate::Result;
 
 /// Bytes of one f32: te-rs holds weights and the KV cache in f32.
@@ -48,8 +48,9 @@ pub struct ModelInfo {
 ///
 /// Errors: whatever reading the config, tensor headers or tokenizer reports.
 pub fn inspect(source: &ModelSource) -> Result<ModelInfo> {
-    let config = load_config_only(source)?;
+    let mut config = load_config_only(source)?;
     let tokenizer = load_tokenizer(source)?;
+    merge_eos(&mut config, &tokenizer);
     let mut tensor_dtypes = BTreeMap::new();
     let mut parameters = 0u64;
     let mut weights_stored_bytes = 0u64;

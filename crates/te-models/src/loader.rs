@@ -34,10 +34,10 @@ pub fn load_tokenizer(source: &ModelSource) -> Result<Tokenizer> {
 
 /// The model's stop tokens: the config's EOS ids and the tokenizer's
 /// end-of-generation ids (EOS, end-of-turn).
-fn merge_eos(model: &mut Model, tokenizer: &Tokenizer) {
+pub fn merge_eos(config: &mut ModelConfig, tokenizer: &Tokenizer) {
     for &id in tokenizer.eos_ids() {
-        if !model.config.eos_token_ids.contains(&id) {
-            model.config.eos_token_ids.push(id);
+        if !config.eos_token_ids.contains(&id) {
+            config.eos_token_ids.push(id);
         }
     }
 }
@@ -55,7 +55,7 @@ pub fn load_model(source: &ModelSource) -> Result<LoadedModel> {
             // GGUF Gemma norms already hold 1 + w.
             let weights = ModelWeights::load(&file, NameScheme::Gguf, &config, 0.0)?;
             let mut model = Model::new(config, weights)?;
-            merge_eos(&mut model, &tokenizer);
+            merge_eos(&mut model.config, &tokenizer);
             Ok(LoadedModel { model, tokenizer })
         }
         ModelSource::HfDir(dir) => {
@@ -77,7 +77,7 @@ pub fn load_model(source: &ModelSource) -> Result<LoadedModel> {
             };
             let weights = ModelWeights::load(&st, NameScheme::HuggingFace, &config, norm_offset)?;
             let mut model = Model::new(config, weights)?;
-            merge_eos(&mut model, &tokenizer);
+            merge_eos(&mut model.config, &tokenizer);
             Ok(LoadedModel { model, tokenizer })
         }
     }
