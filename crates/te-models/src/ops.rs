@@ -133,11 +133,15 @@ fn matmul_quantized(
     y
 }
 
-/// `yt[j, i] = x_i · w_j` for the quantized weight rows `w` of one block,
-/// each dequantized into scratch first.
+/// `yt[j, i] = x_i · w_j` for the quantized weight rows `w` of one block:
+/// decoded in registers where the AVX2 decoders cover `ty`, else each row
+/// dequantized into scratch first.
 fn gemv_quantized_block(x: &[f32], t: usize, k: usize, ty: GgmlType, w: &[u8], yt: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+    if std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
+    {
         // SAFETY: the CPU supports the features the function is compiled for.
         return unsafe { gemv_quantized_block_avx2(x, t, k, ty, w, yt) };
     }
