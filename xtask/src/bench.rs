@@ -1,29 +1,45 @@
-//! `cargo xtask bench [--gpu]`: CPU kernel, attention and model throughput,
-//! printed as markdown tables for docs/benchmarks.md.
+//! `cargo xtask bench [kernels|attention|models]`: CPU kernel, attention
+//! and model throughput, printed as markdown tables for
+//! docs/benchmarks.md. With no argument every section runs.
+
+/// The sections, in the order they print.
+const SECTIONS: [&str; 3] = ["kernels", "attention", "models"];
 
 pub fn run(args: &[String]) -> anyhow::Result<()> {
-    if let Some(a) = args.first() {
-        anyhow::bail!(
-            "unknown bench argument `{a}` (GPU benchmarks are not written yet; \
-             the GPU parity tests run with `cargo xtask test --gpu`)"
+    for a in args {
+        if !SECTIONS.contains(&a.as_str()) {
+            anyhow::bail!(
+                "unknown bench section `{a}` (expected one of: {}; GPU benchmarks are \
+                 not written yet, the GPU parity tests run with `cargo xtask test --gpu`)",
+                SECTIONS.join(", ")
+            );
+        }
+    }
+    let wanted = |s: &str| args.is_empty() || args.iter().any(|a| a == s);
+    if wanted("kernels") {
+        println!("## CPU kernels\n");
+        for row in crate::bench_kernels::run()? {
+            println!("{row}");
+        }
+        println!();
+    }
+    if wanted("attention") {
+        println!("## CPU attention\n");
+        println!(
+            "| case | time ms | attention | baseline | ratio | target |\n|---|---|---|---|---|---|"
         );
+        for row in crate::bench_attention::run()? {
+            println!("{row}");
+        }
+        println!();
     }
-    println!("## CPU kernels\n");
-    for row in crate::bench_kernels::run()? {
-        println!("{row}");
-    }
-    println!("\n## CPU attention\n");
-    println!(
-        "| case | time ms | attention | baseline | ratio | target |\n|---|---|---|---|---|---|"
-    );
-    for row in crate::bench_attention::run()? {
-        println!("{row}");
-    }
-    crate::fetch_models::run(&[])?;
-    println!("\n## Models (tokens/s, 2 threads for llama.cpp)\n");
-    println!("| model | test | te-rs tok/s | llama.cpp tok/s |\n|---|---|---|---|");
-    for row in crate::bench_models::run(&["smollm2-135m", "gemma3-270m"])? {
-        println!("{row}");
+    if wanted("models") {
+        crate::fetch_models::run(&[])?;
+        println!("## Models (tokens/s, 2 threads for llama.cpp)\n");
+        println!("| model | test | te-rs tok/s | llama.cpp tok/s |\n|---|---|---|---|");
+        for row in crate::bench_models::run(&["smollm2-135m", "gemma3-270m"])? {
+            println!("{row}");
+        }
     }
     Ok(())
 }

@@ -25,7 +25,7 @@ fn main() -> anyhow::Result<()> {
                 "usage: cargo xtask <command>\n\n\
                  commands:\n  \
                  test [--gpu]       run every test (fetches the test models first)\n  \
-                 bench              kernel, attention and model benchmarks\n  \
+                 bench [SECTION]    kernels, attention and models benchmarks\n  \
                  kernels            compile kernels/*.cu with NVRTC for sm_80 and sm_90\n  \
                  fetch-models       download and verify the test models into $TE_HOME"
             );

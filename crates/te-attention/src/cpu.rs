@@ -1,53 +1,89 @@
 //! The CPU kernel: tiled online softmax (flash-attention style).
 //!
-//! Work unit: one sequence `b`, one KV head `g`, and a tile of up to
-//! `BR` queries; the unit's rows are (query, query head of `g`'s GQA group)
-//! pairs, `m = queries * kv_group <= ~64`, so each K/V row is read once for
-//! the whole group. For each key tile of up to `BC` keys (only those some
-//! row of the unit can see), the K and V rows are read in place (any dtype,
-//! any cache page layout; page addresses looked up once per page): the
-//! transposed scores `s^T: [bc, m]` are `K q^T` (a register-tiled product,
-//! or for decode-sized units per-key dot products with the next rows
-//! prefetched), then softcap and mask, the running max, sum and output are
-//! rescaled (Milakov & Gimelshein 2018; Dao et al. 2022, FlashAttention),
-//! vectorized across the `m` columns, and `o += p · v`. The score matrix
-//! never exceeds `BC x m`. The kernel is compiled for AVX-512, AVX2+FMA and
-//! baseline x86-64 and picked at run time. Units run in parallel with rayon
-//! (on the calling thread for small forwards); scratch is reused per worker.
+//! Work unit: one sequence `b`, a range of KV heads, a tile of queries and
+//! a range of keys; the unit's rows are (KV head, query, query head of that
+//! KV head's GQA group) triples, so each K/V row is read once for its whole
+//! group. Prefill units have one KV head and up to `TARGET_ROWS` rows.
+//! Decode units (at most `DIRECT_MAX_ROWS` rows per KV head) cover every KV
+//! head of the sequence, so a cache page's K and V rows are read front to
+//! back, once; when there are too few of them to keep every thread busy,
+//! their key ranges are split and the partial results merged by
+//! log-sum-exp (flash-decoding, Dao et al. 2023).
+//!
+//! For each key tile of up to `BC` keys (only those some row of the unit
+//! can see), the K and V rows are read in place (any dtype, any cache page
+//! layout; page addresses looked up once per page): the transposed scores
+//! `s^T: [bc, m]` are `K q^T` (a register-tiled product, or on decode units
+//! per-key dot products with explicit SIMD, `crate::simd`), then softcap
+//! and mask, the running max, sum and output are rescaled (Milakov &
+//! Gimelshein 2018; Dao et al. 2022, FlashAttention), vectorized across the
+//! `m` columns, and `o += p · v` (a tiled product, or on decode units one
+//! key at a time). The score matrix never exceeds `BC x m`. The kernel is
+//! compiled for AVX-512, AVX2+FMA+F16C and baseline x86-64 and picked at
+//! run time. No software prefetch: on decode units the hardware
+//! prefetcher streams the pages better than prefetch instructions did. Units run in parallel with rayon (on the calling thread for small
+//! forwards); scratch is reused per worker.
 
 use rayon::prelude::*;
 use te_kernels::{Element, QkvFormat};
 
 use crate::attention::{AttnMetadata, DotProductAttention, KvInput, Plan};
-use crate::tile_math::{dots, exp, gemm};
+use crate::merge::merge_row;
+#[cfg(target_arch = "x86_64")]
+use crate::simd::{Avx2, Avx512};
+use crate::simd::{Portable, Simd};
+use crate::tile_math::{exp, gemm};
 
 /// Target rows (query x head) per work unit.
 const TARGET_ROWS: usize = 64;
 /// Keys per key tile.
 const BC: usize = 128;
-/// Units with at most this many rows (decode) compute scores as dot
-/// products of each K row with the unit's query rows; larger units as a
-/// register-tiled product `s^T = K q^T`.
+/// Sequences with at most this many rows per KV head (queries x GQA group:
+/// decode) get decode units: every KV head, scores as dot products of each
+/// K row with the head's query rows; larger ones get prefill units (one KV
+/// head, a register-tiled product `s^T = K q^T`).
 const DIRECT_MAX_ROWS: usize = 8;
+/// Decode units are split along their keys until there are this many units
+/// per thread ...
+const UNITS_PER_THREAD: usize = 4;
+/// ... but no piece gets fewer keys than this.
+const MIN_SPLIT_KEYS: i64 = 512;
 /// Score columns of the tiled path are padded to a multiple of this (a
 /// multiple of every instruction set's `NR`).
 const COL_PAD: usize = 32;
-/// Keys ahead whose K and V rows are prefetched on the direct path.
-const PREFETCH_KEYS: usize = 4;
 /// Forwards with fewer multiply-adds than this run on the calling thread
 /// (rayon's wake-up costs more than the work).
 const SERIAL_MACS: usize = 1 << 18;
 
 #[derive(Clone, Copy)]
 struct Unit {
+    /// Sequence.
     b: usize,
-    g: usize,
+    /// KV heads `g0..g1`.
+    g0: usize,
+    g1: usize,
+    /// Queries `i0..i1`.
     i0: usize,
     i1: usize,
+    /// Keys `k_lo..=k_hi` (further limited by each query's visible range).
+    k_lo: i64,
+    k_hi: i64,
+}
+
+impl Unit {
+    /// Rows per KV head: queries x GQA group.
+    fn rows_per_head(&self, group: usize) -> usize {
+        (self.i1 - self.i0) * group
+    }
+
+    /// The same unit with another key range (a piece of a split).
+    fn same_rows(&self, other: &Unit) -> bool {
+        (self.b, self.g0, self.i0) == (other.b, other.g0, other.i0)
+    }
 }
 
 /// One unit's normalized output `[m, d_v]` and lse `[m]`, rows
-/// `(query - i0) * kv_group + head_in_group`.
+/// `(kv_head - g0) * rows_per_head + (query - i0) * kv_group + head_in_group`.
 struct TileOut {
     unit: Unit,
     o: Vec<f32>,
@@ -61,7 +97,7 @@ struct Scratch {
     q: Vec<f32>,
     /// Scores, then probabilities, transposed: `[bc, mp]`.
     s: Vec<f32>,
-    /// Element offsets of the tile's K and V rows (this KV head).
+    /// Element offsets of the tile's K and V rows (of KV head 0).
     k_off: Vec<usize>,
     v_off: Vec<usize>,
     /// Per score column: visible keys `[start, end)` of the tile, running
@@ -82,25 +118,6 @@ struct Ctx<'a, T> {
     kv: KvInput<'a, T>,
     scale: f32,
     group: usize,
-}
-
-/// Prefetches the cache lines of `row` into L1 (a hint; no effect on
-/// results).
-#[inline(always)]
-fn prefetch<T>(row: &[T]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let bytes = std::mem::size_of_val(row);
-        let p = row.as_ptr() as *const i8;
-        for off in (0..bytes).step_by(64) {
-            // SAFETY: `off < bytes`, so the address is inside `row`;
-            // prefetching never faults and reads nothing into the program.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(off)) };
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = row;
 }
 
 impl<T: Element> Ctx<'_, T> {
@@ -159,30 +176,41 @@ impl<T: Element> Ctx<'_, T> {
             }
             if std::arch::is_x86_feature_detected!("avx2")
                 && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
             {
-                // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+                // SAFETY: the CPU supports AVX2, FMA and F16C (checked just
+                // above).
                 return unsafe { self.run_avx2(u, s) };
             }
         }
-        self.run_impl::<false, 4, 8>(u, s)
+        // SAFETY: the portable primitives need no CPU feature.
+        unsafe { self.run_impl::<Portable<false>, false, 4, 8>(u, s) }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx2,fma")]
     unsafe fn run_avx512(&self, u: Unit, s: &mut Scratch) -> TileOut {
-        self.run_impl::<true, 8, 32>(u, s)
+        // SAFETY: this function is compiled for AVX-512 and its caller
+        // checked the CPU.
+        unsafe { self.run_impl::<Avx512, true, 8, 32>(u, s) }
     }
 
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn run_avx2(&self, u: Unit, s: &mut Scratch) -> TileOut {
-        self.run_impl::<true, 4, 16>(u, s)
+        // SAFETY: this function is compiled for AVX2, FMA and F16C and its
+        // caller checked the CPU.
+        unsafe { self.run_impl::<Avx2, true, 4, 16>(u, s) }
     }
 
-    /// One unit; `FMA`: compiled with FMA; `MR x NR`: the register tile of
-    /// the tiled path.
+    /// One unit; `S`: the decode primitives, `FMA`: compiled with FMA;
+    /// `MR x NR`: the register tile of the tiled path.
+    ///
+    /// # Safety
+    /// The CPU supports `S`'s instruction set and the caller is compiled
+    /// for it.
     #[inline(always)]
-    fn run_impl<const FMA: bool, const MR: usize, const NR: usize>(
+    unsafe fn run_impl<S: Simd, const FMA: bool, const MR: usize, const NR: usize>(
         &self,
         u: Unit,
         s: &mut Scratch,
@@ -195,8 +223,10 @@ impl<T: Element> Ctx<'_, T> {
             a.head_dim_v,
         );
         let group = self.group;
-        let m = (u.i1 - u.i0) * group;
-        let direct = m <= DIRECT_MAX_ROWS;
+        let rph = u.rows_per_head(group);
+        let m = (u.g1 - u.g0) * rph;
+        let direct = rph <= DIRECT_MAX_ROWS;
+        debug_assert!(direct || u.g1 == u.g0 + 1);
         // Score columns: m, padded on the tiled path.
         let mp = if direct {
             m
@@ -210,18 +240,20 @@ impl<T: Element> Ctx<'_, T> {
         // q^T [d_qk, mp] with zero padding columns.
         s.q.clear();
         s.q.resize(if direct { m * dqk } else { dqk * mp }, 0.0);
-        for i in u.i0..u.i1 {
-            let row = self.q_row(u.b, i);
-            let src = &self.q[(row * hq + u.g * group) * dqk..][..group * dqk];
-            let r0 = (i - u.i0) * group;
-            if direct {
-                for (d, x) in s.q[r0 * dqk..][..group * dqk].iter_mut().zip(src) {
-                    *d = x.to_f32() * self.scale;
-                }
-            } else {
-                for (hh, src) in src.chunks_exact(dqk).enumerate() {
-                    for (p, x) in src.iter().enumerate() {
-                        s.q[p * mp + r0 + hh] = x.to_f32() * self.scale;
+        for g in u.g0..u.g1 {
+            for i in u.i0..u.i1 {
+                let row = self.q_row(u.b, i);
+                let src = &self.q[(row * hq + g * group) * dqk..][..group * dqk];
+                let r0 = (g - u.g0) * rph + (i - u.i0) * group;
+                if direct {
+                    for (d, x) in s.q[r0 * dqk..][..group * dqk].iter_mut().zip(src) {
+                        *d = x.to_f32() * self.scale;
+                    }
+                } else {
+                    for (hh, src) in src.chunks_exact(dqk).enumerate() {
+                        for (p, x) in src.iter().enumerate() {
+                            s.q[p * mp + r0 + hh] = x.to_f32() * self.scale;
+                        }
                     }
                 }
             }
@@ -241,18 +273,17 @@ impl<T: Element> Ctx<'_, T> {
         s.end.clear();
         s.end.resize(mp, 0);
 
-        let lo = key_range.bounds(u.i0).0;
-        let hi = key_range.bounds(u.i1 - 1).1;
+        let lo = key_range.bounds(u.i0).0.max(u.k_lo);
+        let hi = key_range.bounds(u.i1 - 1).1.min(u.k_hi);
         let mut j0 = lo;
         while j0 <= hi {
             let bc = (hi + 1 - j0).min(BC as i64) as usize;
             let j0u = j0 as usize;
             self.kv_rows(u.b, j0u, bc, &mut s.k_off);
             s.v_off.clear();
-            s.v_off
-                .extend(s.k_off.iter().map(|&r| (r * hkv + u.g) * dv));
+            s.v_off.extend(s.k_off.iter().map(|&r| r * hkv * dv));
             for r in s.k_off.iter_mut() {
-                *r = (*r * hkv + u.g) * dqk;
+                *r *= hkv * dqk;
             }
             s.s.resize(bc * mp, 0.0);
 
@@ -260,24 +291,27 @@ impl<T: Element> Ctx<'_, T> {
             if direct {
                 let q = &s.q;
                 for jj in 0..bc {
-                    if let Some(&ko) = s.k_off.get(jj + PREFETCH_KEYS) {
-                        prefetch(&k_all[ko..][..dqk]);
-                        prefetch(&v_all[s.v_off[jj + PREFETCH_KEYS]..][..dv]);
-                    }
-                    let k_row = &k_all[s.k_off[jj]..][..dqk];
                     let s_row = &mut s.s[jj * mp..][..mp];
-                    let mut r = 0;
-                    while r + 4 <= m {
-                        let d = dots::<T, 4, FMA>(
-                            std::array::from_fn(|x| &q[(r + x) * dqk..][..dqk]),
-                            k_row,
-                        );
-                        s_row[r..r + 4].copy_from_slice(&d);
-                        r += 4;
-                    }
-                    while r < m {
-                        s_row[r] = dots::<T, 1, FMA>([&q[r * dqk..][..dqk]], k_row)[0];
-                        r += 1;
+                    for g in u.g0..u.g1 {
+                        let k_row = &k_all[s.k_off[jj] + g * dqk..][..dqk];
+                        let rows = (g - u.g0) * rph..(g - u.g0 + 1) * rph;
+                        let mut r = rows.start;
+                        while r + 4 <= rows.end {
+                            // SAFETY: guaranteed by this function's caller.
+                            let d = unsafe {
+                                S::dots::<T, 4>(
+                                    std::array::from_fn(|x| &q[(r + x) * dqk..][..dqk]),
+                                    k_row,
+                                )
+                            };
+                            s_row[r..r + 4].copy_from_slice(&d);
+                            r += 4;
+                        }
+                        while r < rows.end {
+                            // SAFETY: guaranteed by this function's caller.
+                            s_row[r] = unsafe { S::dots::<T, 1>([&q[r * dqk..][..dqk]], k_row)[0] };
+                            r += 1;
+                        }
                     }
                 }
             } else {
@@ -286,7 +320,7 @@ impl<T: Element> Ctx<'_, T> {
                     bc,
                     mp,
                     dqk,
-                    |jj| &k_all[k_off[jj]..][..dqk],
+                    |jj| &k_all[k_off[jj] + u.g0 * dqk..][..dqk],
                     1,
                     |p| &q[p * mp..][..mp],
                     &mut s.s,
@@ -298,7 +332,7 @@ impl<T: Element> Ctx<'_, T> {
             // Visible keys of each column in this tile.
             let mut full = true;
             for r in 0..m {
-                let (rlo, rhi) = key_range.bounds(u.i0 + r / group);
+                let (rlo, rhi) = key_range.bounds(u.i0 + (r % rph) / group);
                 let start = (rlo - j0).clamp(0, bc as i64) as u32;
                 let end = (rhi + 1 - j0).clamp(0, bc as i64) as u32;
                 s.start[r] = start;
@@ -365,17 +399,34 @@ impl<T: Element> Ctx<'_, T> {
 
             // o [m, d_v] += p v, p = (s^T)^T.
             let (p, v_off) = (&s.s, &s.v_off);
-            gemm::<f32, T, MR, NR, FMA>(
-                m,
-                dv,
-                bc,
-                |r| &p[r..],
-                mp,
-                |jj| &v_all[v_off[jj]..][..dv],
-                &mut o,
-                dv,
-                true,
-            );
+            if direct {
+                // Key by key, every head: the V rows in memory order.
+                for (jj, &vo) in v_off.iter().enumerate() {
+                    for g in u.g0..u.g1 {
+                        let rows = (g - u.g0) * rph..(g - u.g0 + 1) * rph;
+                        // SAFETY: guaranteed by this function's caller.
+                        unsafe {
+                            S::axpy_rows::<T>(
+                                &mut o[rows.start * dv..rows.end * dv],
+                                &p[jj * mp + rows.start..jj * mp + rows.end],
+                                &v_all[vo + g * dv..][..dv],
+                            )
+                        };
+                    }
+                }
+            } else {
+                gemm::<f32, T, MR, NR, FMA>(
+                    m,
+                    dv,
+                    bc,
+                    |r| &p[r..],
+                    mp,
+                    |jj| &v_all[v_off[jj] + u.g0 * dv..][..dv],
+                    &mut o,
+                    dv,
+                    true,
+                );
+            }
             j0 += bc as i64;
         }
 
@@ -394,6 +445,79 @@ impl<T: Element> Ctx<'_, T> {
     }
 }
 
+/// The work units of a forward: decode units (every KV head) for
+/// sequences with at most [`DIRECT_MAX_ROWS`] rows per KV head, prefill
+/// units (one KV head, a tile of queries) otherwise.
+fn plan_units(plan: &Plan, attn: &DotProductAttention) -> Vec<Unit> {
+    let group = attn.kv_group();
+    let br = (TARGET_ROWS / group).max(1);
+    let mut units = Vec::new();
+    for (b, seq) in plan.seqs.iter().enumerate() {
+        if seq.sq == 0 {
+            continue;
+        }
+        let (k_lo, k_hi) = (0, seq.key_range.bounds(seq.sq - 1).1);
+        if seq.sq * group <= DIRECT_MAX_ROWS {
+            units.push(Unit {
+                b,
+                g0: 0,
+                g1: attn.num_gqa_groups,
+                i0: 0,
+                i1: seq.sq,
+                k_lo,
+                k_hi,
+            });
+            continue;
+        }
+        for g in 0..attn.num_gqa_groups {
+            for i0 in (0..seq.sq).step_by(br) {
+                let i1 = (i0 + br).min(seq.sq);
+                units.push(Unit {
+                    b,
+                    g0: g,
+                    g1: g + 1,
+                    i0,
+                    i1,
+                    k_lo,
+                    k_hi,
+                });
+            }
+        }
+    }
+    units
+}
+
+/// Splits decode units along their keys until every thread has
+/// [`UNITS_PER_THREAD`] units, pieces of at least [`MIN_SPLIT_KEYS`] keys;
+/// the pieces of one unit stay adjacent (merged in that order).
+fn split_keys(units: Vec<Unit>, plan: &Plan, group: usize) -> Vec<Unit> {
+    let target = UNITS_PER_THREAD * rayon::current_num_threads();
+    if units.is_empty() || units.len() >= target {
+        return units;
+    }
+    let pieces_per_unit = target.div_ceil(units.len()) as i64;
+    let mut split = Vec::with_capacity(target * 2);
+    for u in units {
+        let kr = plan.seqs[u.b].key_range;
+        let (lo, hi) = (kr.bounds(u.i0).0, kr.bounds(u.i1 - 1).1);
+        let span = hi + 1 - lo;
+        let pieces = pieces_per_unit.min(span / MIN_SPLIT_KEYS).max(1);
+        if u.rows_per_head(group) > DIRECT_MAX_ROWS || pieces == 1 {
+            split.push(u);
+            continue;
+        }
+        let step = (span + pieces - 1) / pieces;
+        for k in (lo..=hi).step_by(step as usize) {
+            split.push(Unit {
+                k_lo: k,
+                k_hi: (k + step - 1).min(hi),
+                ..u
+            });
+        }
+    }
+    split
+}
+
 /// Runs a validated forward (see [`DotProductAttention::forward_cpu`]).
 pub(crate) fn forward<T: Element, O: Element>(
     attn: &DotProductAttention,
@@ -405,20 +529,7 @@ pub(crate) fn forward<T: Element, O: Element>(
     lse: Option<&mut [f32]>,
 ) {
     let group = attn.kv_group();
-    let br = (TARGET_ROWS / group).max(1);
-    let mut units = Vec::new();
-    for (b, seq) in plan.seqs.iter().enumerate() {
-        for g in 0..attn.num_gqa_groups {
-            for i0 in (0..seq.sq).step_by(br) {
-                units.push(Unit {
-                    b,
-                    g,
-                    i0,
-                    i1: (i0 + br).min(seq.sq),
-                });
-            }
-        }
-    }
+    let units = plan_units(plan, attn);
     let ctx = Ctx {
         attn,
         plan,
@@ -435,14 +546,14 @@ pub(crate) fn forward<T: Element, O: Element>(
         .map(|u| {
             let kr = plan.seqs[u.b].key_range;
             let span = (kr.bounds(u.i1 - 1).1 + 1 - kr.bounds(u.i0).0).max(0) as usize;
-            (u.i1 - u.i0) * group * span * (attn.head_dim_qk + attn.head_dim_v)
+            (u.g1 - u.g0) * u.rows_per_head(group) * span * (attn.head_dim_qk + attn.head_dim_v)
         })
         .sum();
     let tiles: Vec<TileOut> = if macs < SERIAL_MACS {
         let mut s = Scratch::default();
         units.into_iter().map(|u| ctx.run(u, &mut s)).collect()
     } else {
-        units
+        split_keys(units, plan, group)
             .into_par_iter()
             .map_init(Scratch::default, |s, u| ctx.run(u, s))
             .collect()
@@ -455,23 +566,35 @@ pub(crate) fn forward<T: Element, O: Element>(
     if let Some(l) = lse.as_deref_mut() {
         l.fill(f32::NEG_INFINITY);
     }
-    for t in &tiles {
-        let u = t.unit;
-        for i in u.i0..u.i1 {
-            let row = ctx.q_row(u.b, i);
-            let r0 = (i - u.i0) * group;
-            let dst = &mut out[(row * hq + u.g * group) * dv..][..group * dv];
-            for (d, &x) in dst.iter_mut().zip(&t.o[r0 * dv..][..group * dv]) {
-                *d = O::from_f32(x);
+    let mut tiles = tiles.into_iter().peekable();
+    while let Some(mut t) = tiles.next() {
+        // Pieces of a split unit: merge their partial results.
+        while let Some(piece) = tiles.next_if(|p| p.unit.same_rows(&t.unit)) {
+            for (r, (o, l)) in piece.o.chunks_exact(dv).zip(&piece.lse).enumerate() {
+                merge_row(&mut t.o[r * dv..][..dv], &mut t.lse[r], o, *l);
             }
-            if let Some(l) = lse.as_deref_mut() {
-                for hh in 0..group {
-                    let h = u.g * group + hh;
-                    let idx = match attn.qkv_format {
-                        QkvFormat::Thd => h * plan.q_rows + row,
-                        QkvFormat::Bshd | QkvFormat::Sbhd => (u.b * hq + h) * meta.max_seqlen_q + i,
-                    };
-                    l[idx] = t.lse[r0 + hh];
+        }
+        let u = t.unit;
+        let rph = u.rows_per_head(group);
+        for g in u.g0..u.g1 {
+            for i in u.i0..u.i1 {
+                let row = ctx.q_row(u.b, i);
+                let r0 = (g - u.g0) * rph + (i - u.i0) * group;
+                let dst = &mut out[(row * hq + g * group) * dv..][..group * dv];
+                for (d, &x) in dst.iter_mut().zip(&t.o[r0 * dv..][..group * dv]) {
+                    *d = O::from_f32(x);
+                }
+                if let Some(l) = lse.as_deref_mut() {
+                    for hh in 0..group {
+                        let h = g * group + hh;
+                        let idx = match attn.qkv_format {
+                            QkvFormat::Thd => h * plan.q_rows + row,
+                            QkvFormat::Bshd | QkvFormat::Sbhd => {
+                                (u.b * hq + h) * meta.max_seqlen_q + i
+                            }
+                        };
+                        l[idx] = t.lse[r0 + hh];
+                    }
                 }
             }
         }

@@ -28,6 +28,7 @@ pub mod cuda;
 pub mod error;
 pub mod mask;
 pub mod merge;
+mod simd;
 mod tile_math;
 
 pub use attention::{AttnMetadata, DotProductAttention, KvInput};

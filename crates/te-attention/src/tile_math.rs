@@ -150,6 +150,31 @@ pub fn dots<T: Element, const R: usize, const FMA: bool>(q: [&[f32]; R], k: &[T]
     out
 }
 
+/// `o_r += p[r] * v` for each row `r < p.len()` of `o: [p.len(), v.len()]`
+/// (row-major f32; `v` converted to f32): each `LANES` chunk of `v` is
+/// loaded and converted once for all rows.
+#[inline(always)]
+pub fn axpy_rows<T: Element, const FMA: bool>(o: &mut [f32], p: &[f32], v: &[T]) {
+    let d = v.len();
+    let full = d / LANES * LANES;
+    for c0 in (0..full).step_by(LANES) {
+        let vc: &[T; LANES] = v[c0..c0 + LANES].try_into().unwrap();
+        let vv: [f32; LANES] = std::array::from_fn(|l| vc[l].to_f32());
+        for (o_row, &pr) in o.chunks_exact_mut(d).zip(p) {
+            let oc: &mut [f32; LANES] = (&mut o_row[c0..c0 + LANES]).try_into().unwrap();
+            for l in 0..LANES {
+                oc[l] = madd::<FMA>(pr, vv[l], oc[l]);
+            }
+        }
+    }
+    for c in full..d {
+        let vc = v[c].to_f32();
+        for (o_row, &pr) in o.chunks_exact_mut(d).zip(p) {
+            o_row[c] = madd::<FMA>(pr, vc, o_row[c]);
+        }
+    }
+}
+
 /// Sum of the lanes, as a tree (vector halves) rather than a serial chain.
 #[inline(always)]
 fn hsum(a: [f32; LANES]) -> f32 {
@@ -293,6 +318,31 @@ mod tests {
                 assert!((got[r] as f64 - want).abs() <= 1e-4 * (1.0 + want.abs()));
             }
             assert_eq!(one[0], got[1]);
+        }
+    }
+
+    #[test]
+    fn axpy_rows_match_f64_reference() {
+        for d in [1, 15, 16, 17, 64, 130] {
+            for rows in [1, 3, 4] {
+                let v: Vec<f32> = (0..d).map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0).collect();
+                let p: Vec<f32> = (0..rows).map(|r| [0.25, 0.0, -1.5, 2.0][r]).collect();
+                let o0: Vec<f32> = (0..rows * d)
+                    .map(|i| ((i * 7 % 13) as f32 - 6.0) / 5.0)
+                    .collect();
+                let mut o = o0.clone();
+                axpy_rows::<f32, false>(&mut o, &p, &v);
+                for r in 0..rows {
+                    for c in 0..d {
+                        let want = o0[r * d + c] as f64 + p[r] as f64 * v[c] as f64;
+                        let got = o[r * d + c] as f64;
+                        assert!(
+                            (got - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                            "{rows}x{d} [{r},{c}]"
+                        );
+                    }
+                }
+            }
         }
     }
 }

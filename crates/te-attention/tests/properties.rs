@@ -159,3 +159,30 @@ proptest! {
         prop_assert!(check(&case, &data, &r, 1e-5, 1e-5).is_ok(), "{case:?}: {}", check(&case, &data, &r, 1e-5, 1e-5).unwrap_err());
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(12))]
+
+    /// Decode (1-2 queries) against caches of 1000-3000 keys in one to
+    /// three sequences: big enough to run in parallel with the key ranges
+    /// split across threads and merged by log-sum-exp.
+    #[test]
+    fn f32_decode_against_long_caches_matches_reference(
+        choice in choices(), kv in 3..6usize, softcap: bool, seed: u64,
+    ) {
+        let mut choice = choice;
+        choice[1] = kv;
+        choice[6] = 0; // d = 64 keeps the reference quick
+        let mut case = build(choice, softcap, 2, seed);
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
+        case.skv = case.sq.iter().map(|&s| s + rng.gen_range(1000..3000)).collect();
+        case.max_seqlen_kv = case.skv.iter().copied().max().unwrap_or(0);
+        if kv == 3 {
+            // Contiguous: one page per sequence.
+            case.kv = KvSource::Cache { page_size: case.max_seqlen_kv, ring_len: None };
+        }
+        let data = case.data::<f32>();
+        let r = run::<f32, f32>(&case, &data);
+        prop_assert!(check(&case, &data, &r, 1e-5, 1e-5).is_ok(), "{case:?}: {}", check(&case, &data, &r, 1e-5, 1e-5).unwrap_err());
+    }
+}
