@@ -1,8 +1,56 @@
 //! te-ring: ring attention (context parallelism) for te-rs.
 //!
-//! Each of `cp_size` ranks holds a contiguous shard of every sequence's
-//! tokens and of their KV cache (load-balanced zigzag layout for causal
-//! attention, DESIGN.md §6); each step a rank attends its queries to the KV
-//! block it holds, passes the block on, and merges partial outputs in f32 by
-//! log-sum-exp. Not implemented yet: this crate marks its place in the
-//! dependency order (te-kernels, te-attention, te-cache <- te-ring <- te-models).
+//! Each of `cp_size` ranks holds a shard of every sequence's tokens in the
+//! load-balanced zigzag layout ([`Zigzag`], DESIGN.md §6); each step a rank
+//! attends its queries to the KV block it holds, passes the block on to the
+//! next rank, and merges partial outputs in f32 by log-sum-exp
+//! ([`RingAttention`]). Blocks entirely in the causal future are skipped.
+//! Ranks talk through a [`Communicator`]: [`ThreadComm`] for threads of
+//! one process (MPI and NCCL communicators are not written yet).
+//!
+//! ```
+//! use te_attention::{AttnMaskType, DotProductAttention};
+//! use te_ring::{Communicator, RingAttention, RingError, ThreadComm, Zigzag};
+//!
+//! let (h, d, seqlens, cp) = (2, 8, [10usize, 3], 2);
+//! let total: usize = seqlens.iter().sum();
+//! // Full thd Q (= K = V here): [13 tokens, 2 heads, 8].
+//! let full: Vec<f32> = (0..total * h * d).map(|i| (i % 7) as f32 / 7.0).collect();
+//! let ring = RingAttention::new(
+//!     DotProductAttention::new(h, d).with_attn_mask_type(AttnMaskType::Causal),
+//! )?;
+//! let z = Zigzag::new(cp)?;
+//! let comms = ThreadComm::<f32>::ring(cp)?;
+//! // One thread per rank, each with its shard.
+//! let outs: Vec<Result<Vec<f32>, RingError>> = std::thread::scope(|s| {
+//!     let ranks: Vec<_> = comms
+//!         .into_iter()
+//!         .map(|mut comm| {
+//!             let (ring, full) = (&ring, &full);
+//!             s.spawn(move || {
+//!                 let x = z.shard(full, h * d, &seqlens, comm.cp_rank())?;
+//!                 let mut out = vec![0f32; x.len()];
+//!                 ring.forward_cpu(&mut comm, &seqlens, &x, &x, &x, &mut out, None)?;
+//!                 Ok(out)
+//!             })
+//!         })
+//!         .collect();
+//!     ranks.into_iter().map(|r| r.join().unwrap()).collect()
+//! });
+//! let outs = outs.into_iter().collect::<Result<Vec<_>, _>>()?;
+//! let shards: Vec<&[f32]> = outs.iter().map(Vec::as_slice).collect();
+//! // The output of single-rank causal attention over the full sequences.
+//! let out = z.unshard(&shards, h * d, &seqlens)?;
+//! assert_eq!(out.len(), full.len());
+//! # Ok::<(), RingError>(())
+//! ```
+
+pub mod comm;
+pub mod error;
+pub mod layout;
+pub mod ring;
+
+pub use comm::{Communicator, ThreadComm};
+pub use error::RingError;
+pub use layout::Zigzag;
+pub use ring::RingAttention;

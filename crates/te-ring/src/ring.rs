@@ -1,0 +1,301 @@
+//! [`RingAttention`]: attention over sequences sharded across ranks.
+//!
+//! Each rank holds its zigzag shard of Q, K and V ([`crate::Zigzag`]). At
+//! step `s` of `cp_size`, a rank holds the KV block of rank
+//! `src = (cp_rank + cp_size - s) % cp_size`: it first sends that block on
+//! to the next rank,
+//! then attends each of its two query chunks to each of the block's two
+//! key chunks, and merges the partial outputs in f32 by log-sum-exp
+//! ([`te_attention::merge_partial`]; Liu et al. 2023, "Ring Attention with
+//! Blockwise Transformers"; Brandon et al. 2023, "Striped Attention", for
+//! the load balance). Chunks hold whole aligned position ranges, so under a
+//! causal mask a (query chunk, key chunk) pair is either entirely visible
+//! (earlier key chunk: no mask), the diagonal (same chunk: causal), or
+//! entirely in the future (skipped without computing).
+
+use te_attention::{merge_partial, AttnMaskType, AttnMetadata, DotProductAttention, KvInput};
+use te_kernels::{Element, QkvFormat};
+
+use crate::comm::Communicator;
+use crate::error::RingError;
+use crate::layout::Zigzag;
+
+/// Ring attention: a [`DotProductAttention`] configuration applied to
+/// sequences whose tokens are split across `cp_size` ranks.
+///
+/// Supported: self-attention (`sq == skv` per sequence) with `no_mask` /
+/// `padding` or a causal mask (`causal`, `padding_causal` and their
+/// bottom-right variants, which coincide for self-attention); GQA/MQA,
+/// `d_qk != d_v`, softcap and `softmax_scale` as configured. Sliding
+/// windows are not supported yet.
+#[derive(Clone, Debug)]
+pub struct RingAttention {
+    attn: DotProductAttention,
+    causal: bool,
+}
+
+/// What one (query chunk, key chunk) pair needs.
+#[derive(Clone, Copy, PartialEq)]
+enum Pair {
+    Full,
+    Diagonal,
+    Future,
+}
+
+/// The tokens of one chunk slot (first or second chunk of every
+/// sequence), packed thd.
+struct Slot {
+    cu: Vec<i32>,
+    rows: usize,
+}
+
+impl RingAttention {
+    /// Errors: [`RingError::InvalidArgument`] for a sliding window;
+    /// [`RingError::Attention`] for an invalid configuration
+    /// (see [`DotProductAttention::validate`]).
+    pub fn new(attn: DotProductAttention) -> Result<Self, RingError> {
+        attn.validate()?;
+        let causal = attn.attn_mask_type.is_causal();
+        let unbounded = match attn.window_size {
+            None | Some((-1, -1)) => true,
+            Some((-1, 0)) => causal,
+            Some(_) => false,
+        };
+        if !unbounded {
+            return Err(RingError::InvalidArgument {
+                arg: "window_size",
+                reason: format!(
+                    "{:?}: sliding windows are not supported under context parallelism yet",
+                    attn.window_size
+                ),
+            });
+        }
+        let attn = attn
+            .with_formats(QkvFormat::Thd, QkvFormat::Thd)
+            .with_window_size(-1, -1);
+        Ok(RingAttention { attn, causal })
+    }
+
+    /// One rank's part of the forward; every rank of `comm`'s ring calls it
+    /// with the same `seqlens` at the same time.
+    ///
+    /// - `seqlens`: full length of each sequence (all ranks together).
+    /// - `q`: `[t, h_q, d_qk]`, `k`: `[t, h_kv, d_qk]`, `v`: `[t, h_kv,
+    ///   d_v]`: this rank's zigzag shard (thd, `t` = the sum of
+    ///   [`Zigzag::local_cu_seqlens`]).
+    /// - `out`: `[t, h_q, d_v]`; `lse`: optional `[h_q, t]` f32, natural
+    ///   log, -inf where a query sees no key.
+    ///
+    /// Results equal single-rank attention over the full sequences (f32:
+    /// within rounding of the merge).
+    ///
+    /// Errors: [`RingError::ShapeMismatch`] naming the tensor whose length
+    /// disagrees with `seqlens`; [`RingError::Communication`] when a peer
+    /// fails or sends a block of the wrong size; [`RingError::Attention`]
+    /// from a block's attention. Nothing is written to `out`/`lse` then.
+    pub fn forward_cpu<T: Element, O: Element>(
+        &self,
+        comm: &mut impl Communicator<T>,
+        seqlens: &[usize],
+        q: &[T],
+        k: &[T],
+        v: &[T],
+        out: &mut [O],
+        lse: Option<&mut [f32]>,
+    ) -> Result<(), RingError> {
+        let a = &self.attn;
+        let (hq, hkv, dqk, dv) = (
+            a.num_attention_heads,
+            a.num_gqa_groups,
+            a.head_dim_qk,
+            a.head_dim_v,
+        );
+        let (cp_rank, cp_size) = (comm.cp_rank(), comm.cp_size());
+        let z = Zigzag::new(cp_size)?;
+        let t = z
+            .local_cu_seqlens(seqlens, cp_rank)?
+            .last()
+            .copied()
+            .unwrap_or(0) as usize;
+        for (arg, got, width) in [
+            ("q", q.len(), hq * dqk),
+            ("k", k.len(), hkv * dqk),
+            ("v", v.len(), hkv * dv),
+            ("out", out.len(), hq * dv),
+        ] {
+            if got != t * width {
+                return Err(RingError::ShapeMismatch {
+                    arg,
+                    expected: t * width,
+                    got,
+                });
+            }
+        }
+        if let Some(l) = lse.as_deref() {
+            if l.len() != hq * t {
+                return Err(RingError::ShapeMismatch {
+                    arg: "lse",
+                    expected: hq * t,
+                    got: l.len(),
+                });
+            }
+        }
+
+        let my_slots = slots(&z, seqlens, cp_rank);
+        let q_parts: [Vec<T>; 2] = [0, 1].map(|s| gather(q, hq * dqk, &z, seqlens, cp_rank, s));
+        let mut acc_out: [Vec<f32>; 2] = [0, 1].map(|s| vec![0.0; my_slots[s].rows * hq * dv]);
+        let mut acc_lse: [Vec<f32>; 2] =
+            [0, 1].map(|s| vec![f32::NEG_INFINITY; my_slots[s].rows * hq]);
+
+        // The block travelling round the ring: its holder's K then V.
+        let mut block: Vec<T> = k.iter().chain(v).copied().collect();
+        for step in 0..cp_size {
+            let src = (cp_rank + cp_size - step) % cp_size;
+            let src_t = z
+                .local_cu_seqlens(seqlens, src)?
+                .last()
+                .copied()
+                .unwrap_or(0) as usize;
+            if block.len() != src_t * hkv * (dqk + dv) {
+                return Err(RingError::Communication {
+                    cp_rank,
+                    reason: format!(
+                        "block of rank {src} has {} elements, expected {}",
+                        block.len(),
+                        src_t * hkv * (dqk + dv)
+                    ),
+                });
+            }
+            if step + 1 < cp_size {
+                comm.send_next(block.clone())?;
+            }
+            let (k_src, v_src) = block.split_at(src_t * hkv * dqk);
+            let kv_slots = slots(&z, seqlens, src);
+            let k_parts: [Vec<T>; 2] =
+                [0, 1].map(|s| gather(k_src, hkv * dqk, &z, seqlens, src, s));
+            let v_parts: [Vec<T>; 2] = [0, 1].map(|s| gather(v_src, hkv * dv, &z, seqlens, src, s));
+            for qs in 0..2 {
+                for ks in 0..2 {
+                    let pair = self.pair(z.chunk_ids(cp_rank)[qs], z.chunk_ids(src)[ks]);
+                    if pair == Pair::Future || my_slots[qs].rows == 0 || kv_slots[ks].rows == 0 {
+                        continue;
+                    }
+                    let mask = if pair == Pair::Diagonal {
+                        AttnMaskType::Causal
+                    } else {
+                        AttnMaskType::NoMask
+                    };
+                    let attn = a.clone().with_attn_mask_type(mask);
+                    let meta = AttnMetadata {
+                        batch: seqlens.len(),
+                        max_seqlen_q: max_len(&my_slots[qs].cu),
+                        max_seqlen_kv: max_len(&kv_slots[ks].cu),
+                        cu_seqlens_q: Some(&my_slots[qs].cu),
+                        cu_seqlens_kv: Some(&kv_slots[ks].cu),
+                    };
+                    let mut part_out = vec![0f32; my_slots[qs].rows * hq * dv];
+                    let mut part_lse = vec![0f32; my_slots[qs].rows * hq];
+                    attn.forward_cpu(
+                        &q_parts[qs],
+                        KvInput::Tensors {
+                            k: &k_parts[ks],
+                            v: &v_parts[ks],
+                        },
+                        &meta,
+                        &mut part_out,
+                        Some(&mut part_lse),
+                    )?;
+                    merge_partial(
+                        &mut acc_out[qs],
+                        &mut acc_lse[qs],
+                        &part_out,
+                        &part_lse,
+                        hq,
+                        dv,
+                    )?;
+                }
+            }
+            if step + 1 < cp_size {
+                block = comm.recv_prev()?;
+            }
+        }
+
+        // Scatter the two slots back into the shard's order.
+        let mut lse = lse;
+        let mut row = 0;
+        let mut slot_row = [0usize; 2];
+        for &n in seqlens {
+            for (s, r) in z.chunks(n, cp_rank).into_iter().enumerate() {
+                for _ in r {
+                    let src = &acc_out[s][slot_row[s] * hq * dv..][..hq * dv];
+                    for (d, &x) in out[row * hq * dv..][..hq * dv].iter_mut().zip(src) {
+                        *d = O::from_f32(x);
+                    }
+                    if let Some(l) = lse.as_deref_mut() {
+                        for h in 0..hq {
+                            l[h * t + row] = acc_lse[s][h * my_slots[s].rows + slot_row[s]];
+                        }
+                    }
+                    row += 1;
+                    slot_row[s] += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// How query chunk `qc` sees key chunk `kc`.
+    fn pair(&self, qc: usize, kc: usize) -> Pair {
+        if !self.causal || kc < qc {
+            Pair::Full
+        } else if kc == qc {
+            Pair::Diagonal
+        } else {
+            Pair::Future
+        }
+    }
+}
+
+/// `cu_seqlens` and row count of slot `s` (first or second chunk of every
+/// sequence) of rank `cp_rank`.
+fn slots(z: &Zigzag, seqlens: &[usize], cp_rank: usize) -> [Slot; 2] {
+    [0, 1].map(|s| {
+        let mut cu = vec![0i32];
+        let mut rows = 0;
+        for &n in seqlens {
+            rows += z.chunks(n, cp_rank)[s].len();
+            cu.push(rows as i32);
+        }
+        Slot { cu, rows }
+    })
+}
+
+/// The rows of slot `s` out of rank `cp_rank`'s shard `x` (`width`
+/// elements per token), packed thd.
+fn gather<T: Copy>(
+    x: &[T],
+    width: usize,
+    z: &Zigzag,
+    seqlens: &[usize],
+    cp_rank: usize,
+    s: usize,
+) -> Vec<T> {
+    let mut out = Vec::new();
+    let mut row = 0;
+    for &n in seqlens {
+        let [a, b] = z.chunks(n, cp_rank);
+        let lens = [a.len(), b.len()];
+        let start = row + if s == 0 { 0 } else { lens[0] };
+        out.extend_from_slice(&x[start * width..(start + lens[s]) * width]);
+        row += lens[0] + lens[1];
+    }
+    out
+}
+
+/// Longest sequence of a `cu_seqlens`.
+fn max_len(cu: &[i32]) -> usize {
+    cu.windows(2)
+        .map(|w| (w[1] - w[0]) as usize)
+        .max()
+        .unwrap_or(0)
+}

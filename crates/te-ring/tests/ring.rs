@@ -1,0 +1,301 @@
+//! Ring attention on 1-4 thread ranks against a naive float64 attention
+//! over the full sequences (DESIGN.md §7 tolerances), and its errors.
+
+use half::bf16;
+use proptest::prelude::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use te_attention::{AttnMaskType, DotProductAttention};
+use te_kernels::Element;
+use te_ring::{Communicator, RingAttention, RingError, ThreadComm, Zigzag};
+
+#[derive(Clone, Debug)]
+struct Case {
+    cp: usize,
+    seqlens: Vec<usize>,
+    causal: bool,
+    hkv: usize,
+    group: usize,
+    dqk: usize,
+    dv: usize,
+    softcap: Option<f32>,
+    seed: u64,
+}
+
+impl Case {
+    fn hq(&self) -> usize {
+        self.hkv * self.group
+    }
+
+    fn attention(&self) -> DotProductAttention {
+        let mask = if self.causal {
+            AttnMaskType::Causal
+        } else {
+            AttnMaskType::NoMask
+        };
+        let mut a = DotProductAttention::new(self.hq(), self.dqk)
+            .with_num_gqa_groups(self.hkv)
+            .with_head_dim_v(self.dv)
+            .with_attn_mask_type(mask);
+        if let Some(c) = self.softcap {
+            a = a.with_softcap(c);
+        }
+        a
+    }
+
+    /// Full thd q, k, v rounded to `T`.
+    fn data<T: Element>(&self) -> [Vec<T>; 3] {
+        let mut rng = StdRng::seed_from_u64(self.seed);
+        let t: usize = self.seqlens.iter().sum();
+        let mut gen = |n: usize| -> Vec<T> {
+            (0..n)
+                .map(|_| T::from_f32(rng.gen_range(-1.0f32..1.0)))
+                .collect()
+        };
+        [
+            gen(t * self.hq() * self.dqk),
+            gen(t * self.hkv * self.dqk),
+            gen(t * self.hkv * self.dv),
+        ]
+    }
+
+    /// Naive float64 attention over the full sequences: out `[t, h_q, d_v]`
+    /// and lse `[t, h_q]`.
+    fn reference<T: Element>(&self, [q, k, v]: &[Vec<T>; 3]) -> (Vec<f64>, Vec<f64>) {
+        let (hq, hkv, dqk, dv) = (self.hq(), self.hkv, self.dqk, self.dv);
+        let t: usize = self.seqlens.iter().sum();
+        let scale = 1.0 / (dqk as f64).sqrt();
+        let mut out = vec![0.0; t * hq * dv];
+        let mut lse = vec![f64::NEG_INFINITY; t * hq];
+        let mut start = 0;
+        for &n in &self.seqlens {
+            for i in 0..n {
+                for h in 0..hq {
+                    let g = h / self.group;
+                    let keys = if self.causal { i + 1 } else { n };
+                    let logits: Vec<f64> = (0..keys)
+                        .map(|j| {
+                            let qr = &q[((start + i) * hq + h) * dqk..][..dqk];
+                            let kr = &k[((start + j) * hkv + g) * dqk..][..dqk];
+                            let s: f64 = qr
+                                .iter()
+                                .zip(kr)
+                                .map(|(a, b)| a.to_f32() as f64 * b.to_f32() as f64)
+                                .sum::<f64>()
+                                * scale;
+                            match self.softcap {
+                                Some(c) => c as f64 * (s / c as f64).tanh(),
+                                None => s,
+                            }
+                        })
+                        .collect();
+                    let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let sum: f64 = logits.iter().map(|s| (s - m).exp()).sum();
+                    let row = (start + i) * hq + h;
+                    lse[row] = m + sum.ln();
+                    for (j, s) in logits.iter().enumerate() {
+                        let p = (s - m).exp() / sum;
+                        let vr = &v[((start + j) * hkv + g) * dv..][..dv];
+                        for (o, x) in out[row * dv..][..dv].iter_mut().zip(vr) {
+                            *o += p * x.to_f32() as f64;
+                        }
+                    }
+                }
+            }
+            start += n;
+        }
+        (out, lse)
+    }
+
+    /// Ring attention on `cp` threads; the full out `[t, h_q, d_v]` and
+    /// lse `[t, h_q]` reassembled from the shards.
+    fn run<T: Element, O: Element + Default>(&self, data: &[Vec<T>; 3]) -> (Vec<O>, Vec<f32>) {
+        let ring = RingAttention::new(self.attention()).unwrap();
+        let z = Zigzag::new(self.cp).unwrap();
+        let (hq, hkv, dqk, dv) = (self.hq(), self.hkv, self.dqk, self.dv);
+        let seqlens = &self.seqlens;
+        let results: Vec<(Vec<O>, Vec<f32>)> = std::thread::scope(|s| {
+            let ranks: Vec<_> = ThreadComm::<T>::ring(self.cp)
+                .unwrap()
+                .into_iter()
+                .map(|mut comm| {
+                    let ring = &ring;
+                    s.spawn(move || {
+                        let r = comm.cp_rank();
+                        let q = z.shard(&data[0], hq * dqk, seqlens, r).unwrap();
+                        let k = z.shard(&data[1], hkv * dqk, seqlens, r).unwrap();
+                        let v = z.shard(&data[2], hkv * dv, seqlens, r).unwrap();
+                        let t = q.len() / (hq * dqk);
+                        // Poisoned outputs: every element must be written.
+                        let mut out = vec![O::from_f32(f32::NAN); t * hq * dv];
+                        let mut lse = vec![f32::NAN; hq * t];
+                        ring.forward_cpu(&mut comm, seqlens, &q, &k, &v, &mut out, Some(&mut lse))
+                            .unwrap();
+                        // lse [h, t] -> [t, h] so it shards like a tensor.
+                        let lse_th = (0..t * hq).map(|x| lse[(x % hq) * t + x / hq]).collect();
+                        (out, lse_th)
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|r| r.join().unwrap()).collect()
+        });
+        let outs: Vec<&[O]> = results.iter().map(|r| r.0.as_slice()).collect();
+        let lses: Vec<&[f32]> = results.iter().map(|r| r.1.as_slice()).collect();
+        (
+            z.unshard(&outs, hq * dv, seqlens).unwrap(),
+            z.unshard(&lses, hq, seqlens).unwrap(),
+        )
+    }
+}
+
+/// Compares with `|got - want| <= atol + rtol * |want|`; lse always f32
+/// accurate (it is computed in f32 whatever the output dtype).
+fn check<O: Element>(
+    case: &Case,
+    got: &(Vec<O>, Vec<f32>),
+    want: &(Vec<f64>, Vec<f64>),
+    atol: f64,
+    rtol: f64,
+) -> Result<(), String> {
+    for (i, (g, w)) in got.0.iter().zip(&want.0).enumerate() {
+        let g = g.to_f32() as f64;
+        // Written so that NaN fails.
+        let close = (g - w).abs() <= atol + rtol * w.abs();
+        if !close {
+            return Err(format!("{case:?}: out[{i}] = {g}, reference {w}"));
+        }
+    }
+    for (i, (&g, &w)) in got.1.iter().zip(&want.1).enumerate() {
+        let g = g as f64;
+        let close = (g - w).abs() <= 1e-5 * (1.0 + w.abs());
+        if !close {
+            return Err(format!("{case:?}: lse[{i}] = {g}, reference {w}"));
+        }
+    }
+    Ok(())
+}
+
+fn cases() -> impl Strategy<Value = Case> {
+    (
+        1..=4usize,
+        prop::collection::vec(prop_oneof![Just(0usize), Just(1), 0..40usize], 1..4),
+        any::<bool>(),
+        1..=2usize,
+        prop_oneof![Just(1usize), Just(2), Just(3)],
+        prop_oneof![Just(8usize), Just(16), Just(64)],
+        any::<bool>(),
+        any::<bool>(),
+        any::<u64>(),
+    )
+        .prop_map(
+            |(cp, seqlens, causal, hkv, group, dqk, dv_differs, softcap, seed)| Case {
+                cp,
+                seqlens,
+                causal,
+                hkv,
+                group,
+                dqk,
+                dv: if dv_differs { 8 } else { dqk },
+                softcap: softcap.then_some(2.0),
+                seed,
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn f32_equals_single_rank_reference(case in cases()) {
+        let data = case.data::<f32>();
+        let got = case.run::<f32, f32>(&data);
+        let want = case.reference(&data);
+        prop_assert!(check(&case, &got, &want, 1e-5, 1e-5).is_ok(), "{}", check(&case, &got, &want, 1e-5, 1e-5).unwrap_err());
+    }
+
+    #[test]
+    fn bf16_equals_single_rank_reference(case in cases()) {
+        let data = case.data::<bf16>();
+        // bf16 outputs: DESIGN.md §7's ring tolerance (GQA 3.5e-2).
+        let got = case.run::<bf16, bf16>(&data);
+        let want = case.reference(&data);
+        let tol = if case.group > 1 { 3.5e-2 } else { 2.5e-2 };
+        prop_assert!(check(&case, &got, &want, tol, tol).is_ok(), "{}", check(&case, &got, &want, tol, tol).unwrap_err());
+        // f32 outputs of bf16 inputs: f32 accurate.
+        let got = case.run::<bf16, f32>(&data);
+        prop_assert!(check(&case, &got, &want, 1e-5, 1e-5).is_ok(), "{}", check(&case, &got, &want, 1e-5, 1e-5).unwrap_err());
+    }
+}
+
+#[test]
+fn long_causal_sequence_on_four_ranks() {
+    // Several key tiles per block, lengths that do not divide by 8.
+    let case = Case {
+        cp: 4,
+        seqlens: vec![517, 3, 300],
+        causal: true,
+        hkv: 2,
+        group: 2,
+        dqk: 64,
+        dv: 64,
+        softcap: None,
+        seed: 7,
+    };
+    let data = case.data::<f32>();
+    let got = case.run::<f32, f32>(&data);
+    check(&case, &got, &case.reference(&data), 1e-5, 1e-5).unwrap();
+}
+
+#[test]
+fn sliding_windows_are_refused() {
+    let a = DotProductAttention::new(2, 8)
+        .with_attn_mask_type(AttnMaskType::Causal)
+        .with_window_size(4, 0);
+    assert!(matches!(
+        RingAttention::new(a),
+        Err(RingError::InvalidArgument {
+            arg: "window_size",
+            ..
+        })
+    ));
+    // An unbounded window is no window.
+    let a = DotProductAttention::new(2, 8)
+        .with_attn_mask_type(AttnMaskType::Causal)
+        .with_window_size(-1, 0);
+    assert!(RingAttention::new(a).is_ok());
+}
+
+#[test]
+fn a_rank_with_bad_input_fails_and_its_peers_do_not_hang() {
+    let ring = RingAttention::new(DotProductAttention::new(1, 8)).unwrap();
+    let seqlens = [12usize];
+    let results: Vec<Result<(), RingError>> = std::thread::scope(|s| {
+        let ranks: Vec<_> = ThreadComm::<f32>::ring(3)
+            .unwrap()
+            .into_iter()
+            .map(|mut comm| {
+                let ring = &ring;
+                s.spawn(move || {
+                    let r = comm.cp_rank();
+                    // Rank 1 passes one token too many.
+                    let t = Zigzag::new(3).unwrap().local_len(12, r) + usize::from(r == 1);
+                    let x = vec![0.5f32; t * 8];
+                    let mut out = vec![0f32; t * 8];
+                    ring.forward_cpu(&mut comm, &seqlens, &x, &x, &x, &mut out, None)
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    assert!(matches!(
+        results[1],
+        Err(RingError::ShapeMismatch { arg: "q", .. })
+    ));
+    for r in [0, 2] {
+        assert!(
+            matches!(results[r], Err(RingError::Communication { .. })),
+            "rank {r}: {:?}",
+            results[r]
+        );
+    }
+}
