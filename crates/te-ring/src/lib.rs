@@ -5,6 +5,9 @@
 //! attends its queries to the KV block it holds, passes the block on to the
 //! next rank, and merges partial outputs in f32 by log-sum-exp
 //! ([`RingAttention`]). Blocks entirely in the causal future are skipped.
+//! For decode with the KV cache split across ranks, each rank attends the
+//! (replicated) queries to its own keys and [`all_merge`] combines the
+//! partial results on every rank.
 //! Ranks talk through a [`Communicator`]: [`ThreadComm`] for threads of
 //! one process (MPI and NCCL communicators are not written yet).
 //!
@@ -45,11 +48,13 @@
 //! # Ok::<(), RingError>(())
 //! ```
 
+pub mod all_merge;
 pub mod comm;
 pub mod error;
 pub mod layout;
 pub mod ring;
 
+pub use all_merge::all_merge;
 pub use comm::{Communicator, ThreadComm};
 pub use error::RingError;
 pub use layout::Zigzag;
