@@ -39,7 +39,7 @@ pub fn all_merge(
             reason: "must be > 0".into(),
         });
     }
-    if lse.len() % num_heads != 0 {
+    if !lse.len().is_multiple_of(num_heads) {
         return Err(RingError::ShapeMismatch {
             arg: "lse",
             expected: lse.len().next_multiple_of(num_heads),
