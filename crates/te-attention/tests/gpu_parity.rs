@@ -21,12 +21,14 @@ use te_kernels::QkvFormat;
 const FORMATS: [QkvFormat; 3] = [QkvFormat::Bshd, QkvFormat::Sbhd, QkvFormat::Thd];
 
 /// Runs the case through `forward_cuda_with_splits` with NaN-poisoned `out`
-/// and `lse`.
+/// and `lse` (each with one poisoned element past its end, checked to stay
+/// NaN); without `with_lse` no lse is asked for and `lse` stays NaN.
 fn run_gpu<T: CudaElement>(
     dev: &CudaDevice,
     case: &Case,
     data: &Data,
     splits: Option<usize>,
+    with_lse: bool,
 ) -> Run<T> {
     let inp = inputs::<T>(case, data);
     let meta = inp.meta(case);
@@ -62,14 +64,20 @@ fn run_gpu<T: CudaElement>(
             &kv,
             &meta,
             &mut out.slice_mut(..n_out),
-            Some(&mut lse.slice_mut(..rows * case.h_q())),
+            with_lse
+                .then(|| lse.slice_mut(..rows * case.h_q()))
+                .as_mut(),
             splits,
         )
         .unwrap_or_else(|e| panic!("{case:?}: {e}"));
     let mut out = s.clone_dtoh(&out).unwrap();
     let mut lse = s.clone_dtoh(&lse).unwrap();
-    out.pop();
-    lse.pop();
+    let past_out = out.pop().map(|x| x.to_f32());
+    let past_lse = lse.pop();
+    assert!(
+        past_out.is_some_and(f32::is_nan) && past_lse.is_some_and(f32::is_nan),
+        "{case:?}: written past the end of out or lse"
+    );
     Run { out, lse }
 }
 
@@ -92,8 +100,20 @@ fn parity<T: CudaElement>(
     rtol: f64,
 ) {
     let data = case.data::<T>();
-    let gpu = run_gpu::<T>(dev, case, &data, splits);
+    let gpu = run_gpu::<T>(dev, case, &data, splits, true);
     let cpu = common::run::<T, T>(case, &data);
+    // Without lse the output is the same.
+    let no_lse = run_gpu::<T>(dev, case, &data, splits, false);
+    assert!(
+        no_lse
+            .out
+            .iter()
+            .zip(&gpu.out)
+            .all(|(a, b)| a.to_f32() == b.to_f32())
+            && no_lse.lse.iter().all(|x| x.is_nan()),
+        "{:?} splits {splits:?} {case:?}: output without lse differs",
+        T::DTYPE
+    );
     for (n, (g, c)) in gpu.out.iter().zip(&cpu.out).enumerate() {
         let (g, c) = (g.to_f32() as f64, c.to_f32() as f64);
         assert!(
@@ -238,6 +258,8 @@ fn every_format_source_and_mask_matches_cpu() {
                 let kv = kv_source(kind, page_size, &mut rng);
                 let case = random_case(q_format, kv, mask, 40, seed);
                 parity_all_dtypes(&dev, &case, None);
+                // Split KV (the combine kernel) with every Q format.
+                parity::<bf16>(&dev, &case, Some(3), 1e-2, 1e-3);
             }
         }
     }
