@@ -8,6 +8,10 @@ use crate::mask::{AttnMaskType, KeyRange};
 
 pub(crate) const OP: &str = "dot_product_attention";
 
+/// Most sequences in one forward ([`AttnMetadata::batch`]); the bound keeps
+/// a corrupt `batch` from allocating per-sequence state it cannot fill.
+pub const MAX_BATCH: usize = 1 << 24;
+
 /// Scaled dot-product attention, configured like TransformerEngine's
 /// `DotProductAttention`.
 ///
@@ -35,8 +39,12 @@ pub struct DotProductAttention {
     /// Logit scale; `None`: `1 / sqrt(head_dim_qk)`.
     pub softmax_scale: Option<f32>,
     pub attn_mask_type: AttnMaskType,
-    /// Sliding window `(left, right)` (DESIGN.md §3), -1 = unbounded;
-    /// `None` = `(-1, -1)`. Causal masks force `right = 0` (the window's
+    /// Sliding window `(left, right)`, -1 = unbounded, `None` = `(-1, -1)`:
+    /// query `i` of a sequence with `sq` queries and `skv` keys sees keys
+    /// `j` in `[i + skv - sq - left, i + skv - sq + right]` (aligned
+    /// bottom-right, as decode with a cache needs; `i - left ..= i + right`
+    /// under the top-left `causal` and `padding_causal` masks). Values
+    /// beyond the sequence lengths mean unbounded. Causal masks force `right = 0` (the window's
     /// right must then be 0 or -1). Hugging Face `sliding_window = W` is
     /// `(W - 1, 0)`.
     pub window_size: Option<(i64, i64)>,
@@ -198,7 +206,11 @@ pub enum KvInput<'a, T> {
     Tensors { k: &'a [T], v: &'a [T] },
     /// Read straight from an `InferenceParams` cache (contiguous or paged).
     /// Sequence `b` has `layout.seqlen(b)` keys, of which those before
-    /// `layout.first_held_position(b)` are absent (masked out).
+    /// `layout.first_held_position(b)` are absent (masked out: a
+    /// sliding-window ring holds the last `ring_len`). `AttnMetadata::batch`
+    /// must equal `cache_seqlens.len()`; `max_seqlen_kv`, `cu_seqlens_kv`
+    /// and the `kv_format` are not used. Page-table entries past those a
+    /// sequence's cached slots use are not read.
     Cache(KvCacheView<'a, T>),
 }
 
@@ -324,7 +336,8 @@ fn lengths_from_cu(
 }
 
 fn check_len(arg: &'static str, got: usize, shape: Vec<usize>) -> Result<(), AttentionError> {
-    if got == shape.iter().product::<usize>() {
+    // A product that overflows matches no real buffer.
+    if shape.iter().try_fold(1usize, |a, &x| a.checked_mul(x)) == Some(got) {
         Ok(())
     } else {
         Err(AttentionError::ShapeMismatch {
@@ -364,6 +377,13 @@ impl DotProductAttention {
     ) -> Result<Plan, AttentionError> {
         self.validate()?;
         let (b, hq, hkv) = (meta.batch, self.num_attention_heads, self.num_gqa_groups);
+        if b > MAX_BATCH {
+            return Err(AttentionError::InvalidArgument {
+                op: OP,
+                arg: "batch",
+                reason: format!("{b} sequences; at most {MAX_BATCH} are supported"),
+            });
+        }
         let (dqk, dv) = (self.head_dim_qk, self.head_dim_v);
         let mask = self.attn_mask_type;
 
@@ -472,20 +492,36 @@ impl DotProductAttention {
                 reason: "must be > 0".into(),
             });
         }
-        if l.page_table.len() < batch * l.max_pages_per_seq {
-            return mismatch(
-                "kv_cache.page_table",
-                batch * l.max_pages_per_seq,
-                l.page_table.len(),
-            );
+        match batch.checked_mul(l.max_pages_per_seq) {
+            Some(n) if n <= l.page_table.len() => {}
+            _ => {
+                return Err(AttentionError::InvalidArgument {
+                    op: OP,
+                    arg: "kv_cache.page_table",
+                    reason: format!(
+                        "{} entries, fewer than batch {batch} x max_pages_per_seq {}",
+                        l.page_table.len(),
+                        l.max_pages_per_seq
+                    ),
+                })
+            }
         }
-        let k_row = l.num_heads_kv * l.head_dim_k;
-        if k_cache_len / (k_row * l.page_size) * (k_row * l.page_size) != k_cache_len {
+        let page_elems = (l.num_heads_kv * l.head_dim_k)
+            .checked_mul(l.page_size)
+            .ok_or_else(|| AttentionError::InvalidArgument {
+                op: OP,
+                arg: "kv_cache.page_size",
+                reason: format!(
+                    "a page of {} x {} x {} elements overflows",
+                    l.page_size, l.num_heads_kv, l.head_dim_k
+                ),
+            })?;
+        if !k_cache_len.is_multiple_of(page_elems) {
             return Err(AttentionError::ShapeMismatch {
                 op: OP,
                 arg: "k_cache",
                 expected: vec![
-                    k_cache_len / (k_row * l.page_size),
+                    k_cache_len / page_elems,
                     l.page_size,
                     l.num_heads_kv,
                     l.head_dim_k,
@@ -493,7 +529,7 @@ impl DotProductAttention {
                 got: vec![k_cache_len],
             });
         }
-        let num_pages = k_cache_len / (k_row * l.page_size);
+        let num_pages = k_cache_len / page_elems;
         check_len(
             "v_cache",
             v_cache_len,
@@ -543,19 +579,25 @@ impl DotProductAttention {
                     op: OP,
                     arg: "kv_cache.page_table",
                     seq: s,
-                    reason: format!("page id {p} outside the cache's {num_pages} pages"),
+                    reason: format!(
+                        "page id {p} outside the cache's {num_pages} pages \
+                         (its {slots} cached slots use the first {pages} entries of its row)"
+                    ),
                 });
             }
         }
         Ok(())
     }
 
-    /// Attention on the CPU: the tiled online-softmax kernel of
-    /// [`crate::cpu`], parallel over (sequence, KV head, query tile), f32
-    /// accumulation.
+    /// Attention on the CPU: a tiled online-softmax kernel (flash-attention
+    /// style), parallel over sequences, KV heads and query tiles (decode:
+    /// sequences and key ranges), f32 accumulation.
     ///
     /// - `q`: `[.., h_q, d_qk]` in `qkv_format` (bshd `[b, max_seqlen_q, ..]`,
-    ///   sbhd `[max_seqlen_q, b, ..]`, thd `[t_q, ..]` with `cu_seqlens_q`).
+    ///   sbhd `[max_seqlen_q, b, ..]`, thd `[t_q, ..]` with
+    ///   `t_q = cu_seqlens_q[b]` exactly: no padded thd). With a padding
+    ///   mask, bshd/sbhd sequence `b` holds its `cu_seqlens_q[b + 1] -
+    ///   cu_seqlens_q[b]` real queries first, then padding.
     /// - `kv`: see [`KvInput`].
     /// - `out`: `[.., h_q, d_v]` in `qkv_format`; fully written (rows of
     ///   padded or fully masked queries get 0). `O` may differ from `T`

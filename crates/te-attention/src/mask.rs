@@ -133,11 +133,14 @@ impl KeyRange {
         first_key: usize,
     ) -> Self {
         let (wl, wr) = window_size.unwrap_or((-1, -1));
-        let left = (wl >= 0).then_some(wl);
+        // A side of at least sq + skv already reaches the sequence edge;
+        // clamping keeps `bounds` (and device kernels) free of overflow.
+        let edge = (sq as i64).saturating_add(skv as i64);
+        let left = (wl >= 0).then_some(wl.min(edge));
         let right = if mask.is_causal() {
             Some(0)
         } else {
-            (wr >= 0).then_some(wr)
+            (wr >= 0).then_some(wr.min(edge))
         };
         let offset = if mask.is_top_left() {
             0

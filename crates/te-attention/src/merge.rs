@@ -14,11 +14,15 @@ const OP: &str = "merge_partial";
 
 /// Merges one row in place: `(out_a, lse_a) <- merge((out_a, lse_a),
 /// (out_b, lse_b))`. `out_a`, `out_b`: `[d_v]` f32; lse: natural log.
-/// The lengths must match (checked by [`merge_partial`]; here a debug
-/// assertion).
+/// [`merge_partial`] checks whole tensors and returns errors; this
+/// per-row primitive panics if `out_a` and `out_b` differ in length.
 #[inline]
 pub fn merge_row(out_a: &mut [f32], lse_a: &mut f32, out_b: &[f32], lse_b: f32) {
-    debug_assert_eq!(out_a.len(), out_b.len());
+    assert_eq!(
+        out_a.len(),
+        out_b.len(),
+        "merge_row: rows of different lengths"
+    );
     if lse_b == f32::NEG_INFINITY {
         return;
     }

@@ -8,7 +8,7 @@ use te_attention::{
     merge_partial, merge_row, AttentionError, AttnMaskType, AttnMetadata, DotProductAttention,
     KvInput,
 };
-use te_kernels::QkvFormat;
+use te_kernels::{KvCacheLayout, KvCacheView, QkvFormat};
 
 fn thd_case(mask: AttnMaskType, kv: KvSource, sq: Vec<usize>, skv: Vec<usize>, seed: u64) -> Case {
     Case {
@@ -288,6 +288,126 @@ fn bad_arguments_return_named_errors() {
         ),
         "{err}"
     );
+}
+
+/// Sizes whose products wrap around `usize`, or that would allocate per
+/// sequence before any buffer is checked: errors, never a panic or an
+/// allocation failure.
+#[test]
+fn huge_sizes_are_errors_not_crashes() {
+    let attn = DotProductAttention::new(1, 8).with_formats(QkvFormat::Bshd, QkvFormat::Bshd);
+    let (q, kv) = (vec![0.1f32; 24], vec![0.2f32; 40]);
+    let mut out = vec![0f32; 24];
+    let run = |meta: AttnMetadata<'_>, out: &mut [f32]| {
+        attn.forward_cpu(&q, KvInput::Tensors { k: &kv, v: &kv }, &meta, out, None)
+            .unwrap_err()
+    };
+    let meta = AttnMetadata {
+        batch: 1,
+        max_seqlen_q: 3,
+        max_seqlen_kv: 5,
+        cu_seqlens_q: None,
+        cu_seqlens_kv: None,
+    };
+    // 2^61 + 3 rows of 8 wrap to 24 elements.
+    let err = run(
+        AttnMetadata {
+            max_seqlen_q: (1 << 61) + 3,
+            ..meta
+        },
+        &mut out,
+    );
+    assert!(
+        matches!(err, AttentionError::ShapeMismatch { arg: "q", .. }),
+        "{err}"
+    );
+    let err = run(
+        AttnMetadata {
+            max_seqlen_kv: (1 << 61) + 5,
+            ..meta
+        },
+        &mut out,
+    );
+    assert!(
+        matches!(err, AttentionError::ShapeMismatch { arg: "k", .. }),
+        "{err}"
+    );
+    let err = run(
+        AttnMetadata {
+            batch: 1 << 36,
+            ..meta
+        },
+        &mut out,
+    );
+    assert!(
+        matches!(err, AttentionError::InvalidArgument { arg: "batch", .. }),
+        "{err}"
+    );
+
+    // Paged cache geometry that overflows.
+    let page_table = [0i32, 0, 0, 0];
+    let seqlens = [1i32, 1];
+    let cache = vec![0f32; 3 * 8];
+    for (max_pages_per_seq, page_size, arg) in [
+        (1usize << 63, 1usize, "kv_cache.page_table"),
+        (1, usize::MAX / 2, "kv_cache.page_size"),
+    ] {
+        let layout = KvCacheLayout {
+            num_heads_kv: 1,
+            head_dim_k: 8,
+            head_dim_v: 8,
+            page_size,
+            page_table: &page_table,
+            max_pages_per_seq,
+            cache_seqlens: &seqlens,
+            ring_len: None,
+        };
+        let view = KvCacheView {
+            k_cache: &cache,
+            v_cache: &cache,
+            layout,
+        };
+        let cu = [0, 1, 2];
+        let meta = AttnMetadata {
+            batch: 2,
+            max_seqlen_q: 1,
+            max_seqlen_kv: 0,
+            cu_seqlens_q: Some(&cu),
+            cu_seqlens_kv: None,
+        };
+        let thd = DotProductAttention::new(1, 8).with_formats(QkvFormat::Thd, QkvFormat::Thd);
+        let err = thd
+            .forward_cpu(&q[..16], KvInput::Cache(view), &meta, &mut out[..16], None)
+            .unwrap_err();
+        assert!(
+            matches!(err, AttentionError::InvalidArgument { arg: a, .. } if a == arg),
+            "{err}"
+        );
+    }
+}
+
+/// A window side too large to matter is the same as no window (no
+/// overflow in the key range).
+#[test]
+fn huge_window_sides_mean_unbounded() {
+    let case = thd_case(
+        AttnMaskType::NoMask,
+        KvSource::Tensors(QkvFormat::Thd),
+        vec![3, 5],
+        vec![6, 2],
+        9,
+    );
+    let data = case.data::<f32>();
+    let plain = run::<f32, f32>(&case, &data);
+    for window in [(-1, i64::MAX), (i64::MAX, -1), (i64::MAX, i64::MAX)] {
+        let windowed = Case {
+            window: Some(window),
+            ..case.clone()
+        };
+        let r = run::<f32, f32>(&windowed, &data);
+        assert_eq!(r.out, plain.out, "{window:?}");
+        assert_eq!(r.lse, plain.lse, "{window:?}");
+    }
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! Batched ragged generation with continuous batching.
 //!
 //! Many prompts of different lengths run together as one thd batch through
-//! [`InferenceParams`], with no padding: each step feeds every active
+//! [`InferenceParams`](te_cache::InferenceParams), with no padding: each step feeds every active
 //! sequence either its next prompt chunk (chunked prefill) or its last
 //! sampled token, sequences finish independently (EOS, max new tokens, or
 //! the caller's stop), and waiting requests join as soon as a slot frees.

@@ -6,7 +6,7 @@
 //! next rank, and merges partial outputs in f32 by log-sum-exp
 //! ([`RingAttention`]). Blocks entirely in the causal future are skipped.
 //! For decode with the KV cache split across ranks, each rank attends the
-//! (replicated) queries to its own keys and [`all_merge`] combines the
+//! (replicated) queries to its own keys and [`all_merge()`] combines the
 //! partial results on every rank.
 //! Ranks talk through a [`Communicator`]: [`ThreadComm`] for threads of
 //! one process (MPI and NCCL communicators are not written yet).
