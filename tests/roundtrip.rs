@@ -160,6 +160,29 @@ fn convert_rejects_a_hf_directory() {
 }
 
 #[test]
+fn convert_does_not_overwrite_a_model_without_force() {
+    let tmp = TempDir::new("no-clobber");
+    let config = tmp.path().join("config.json");
+    std::fs::write(&config, "{\"keep\": true}").unwrap();
+    let (ok, _, stderr) = te(&[
+        "convert",
+        "--model",
+        "smollm2-135m",
+        "--out",
+        tmp.path().to_str().unwrap(),
+    ]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("--force") && stderr.contains("config.json"),
+        "{stderr}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&config).unwrap(),
+        "{\"keep\": true}"
+    );
+}
+
+#[test]
 fn inspect_reports_config_dtypes_tokenizer_and_memory() {
     let o = te_json(&["inspect", "--model", "smollm2-135m", "--json"]);
     let o = &o[0];

@@ -12,6 +12,10 @@ pub struct Args {
     /// Output directory (created if missing).
     #[arg(long)]
     out: std::path::PathBuf,
+    /// Replace the model files (config.json, model.safetensors, ...) of an
+    /// existing output directory.
+    #[arg(long)]
+    force: bool,
     /// Weight dtype: f32 keeps the dequantized weights exactly (same greedy
     /// tokens as the GGUF); bf16 halves the size but rounds every weight.
     #[arg(long, value_enum, default_value_t = Dtype::F32)]
@@ -24,7 +28,26 @@ enum Dtype {
     Bf16,
 }
 
+/// The files `te convert` writes.
+const OUTPUT_FILES: [&str; 4] = [
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+];
+
 pub fn run(args: Args) -> anyhow::Result<()> {
+    let existing: Vec<&str> = OUTPUT_FILES
+        .into_iter()
+        .filter(|f| args.out.join(f).exists())
+        .collect();
+    if !existing.is_empty() && !args.force {
+        bail!(
+            "--out {} already holds {}; pass --force to replace them",
+            args.out.display(),
+            existing.join(", ")
+        );
+    }
     let path = match te_models::hub::resolve_model(&args.model)? {
         ModelSource::Gguf(path) => path,
         ModelSource::HfDir(dir) => bail!(

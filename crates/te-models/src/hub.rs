@@ -169,8 +169,17 @@ pub fn resolve_model(spec: &str) -> Result<ModelSource> {
         return match read {
             Ok(()) if &magic == b"GGUF" => Ok(ModelSource::Gguf(path.to_path_buf())),
             Ok(()) => Err(resolve_err("file is not a GGUF file (bad magic)".into())),
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Err(resolve_err(
+                "file is shorter than a GGUF header (4-byte magic)".into(),
+            )),
             Err(e) => Err(resolve_err(format!("cannot read file: {e}"))),
         };
+    }
+    if path.exists() {
+        return Err(resolve_err(
+            "not a regular file or directory (expected a GGUF file or a Hugging Face model directory)"
+                .into(),
+        ));
     }
     if spec.contains('/') || spec.contains(std::path::MAIN_SEPARATOR) || spec.ends_with(".gguf") {
         return Err(resolve_err(format!(
@@ -424,6 +433,13 @@ mod tests {
         assert!(err.contains("no such file"), "{err}");
     }
 
+    #[cfg(unix)]
+    #[test]
+    fn a_device_file_is_not_a_model() {
+        let err = resolve_model("/dev/null").unwrap_err().to_string();
+        assert!(err.contains("not a regular file"), "{err}");
+    }
+
     #[test]
     fn directory_needs_config_json() {
         let dir = std::env::temp_dir().join(format!("te-hub-test-{}", std::process::id()));
@@ -447,6 +463,9 @@ mod tests {
         );
         let y = resolve_model(dir.join("y.gguf").to_str().unwrap()).unwrap_err();
         assert!(y.to_string().contains("not a GGUF"), "{y}");
+        fs::write(dir.join("z.gguf"), b"GG").unwrap();
+        let z = resolve_model(dir.join("z.gguf").to_str().unwrap()).unwrap_err();
+        assert!(z.to_string().contains("shorter than a GGUF header"), "{z}");
         fs::remove_dir_all(&dir).unwrap();
     }
 
