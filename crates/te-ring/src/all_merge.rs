@@ -3,14 +3,17 @@
 //!
 //! This is decode (or any step whose queries every rank holds) with the KV
 //! cache split across ranks: each rank runs `DotProductAttention` on its
-//! own keys with `lse` on, then `all_merge` gathers the partials round the
-//! ring and merges them by log-sum-exp (DESIGN.md §6). Every rank merges
+//! own keys with `lse` on and f32 output (thd Q; a padding or no_mask mask
+//! when every held key precedes the queries; a bottom-right causal mask
+//! only on the rank holding the newest keys, since it aligns the last
+//! query with that rank's last key), then `all_merge` gathers the partials
+//! round the ring and merges them by log-sum-exp (DESIGN.md §6). Every rank merges
 //! in rank order 0, 1, .., so all ranks get bit-identical results (their
 //! samplers stay in step).
 
 use te_attention::merge_partial;
 
-use crate::comm::Communicator;
+use crate::comm::{call_tag, Block, Communicator};
 use crate::error::RingError;
 
 /// Replaces this rank's partial `(out, lse)` with the merge of every
@@ -22,10 +25,12 @@ use crate::error::RingError;
 ///   `DotProductAttention::forward_cpu` with `O = f32`. `t` is the same on
 ///   every rank.
 ///
-/// Errors: [`RingError::InvalidArgument`] for 0 heads;
+/// Errors: [`RingError::InvalidArgument`] for 0 heads or head dim, or a
+/// communicator whose rank is not below its size;
 /// [`RingError::ShapeMismatch`] when `out` and `lse` disagree with the
-/// heads; [`RingError::Communication`] when a peer fails or sends
-/// a partial of another size; nothing is written then.
+/// heads; [`RingError::Communication`] when a peer fails or runs a
+/// different call (another `t`, heads or head dim). Nothing is written
+/// then, and `comm` is aborted ([`Communicator::abort`]).
 pub fn all_merge(
     comm: &mut impl Communicator<f32>,
     out: &mut [f32],
@@ -33,11 +38,27 @@ pub fn all_merge(
     num_heads: usize,
     head_dim_v: usize,
 ) -> Result<(), RingError> {
-    if num_heads == 0 {
-        return Err(RingError::InvalidArgument {
-            arg: "num_heads",
-            reason: "must be > 0".into(),
-        });
+    let result = merge_inner(comm, out, lse, num_heads, head_dim_v);
+    if result.is_err() {
+        comm.abort();
+    }
+    result
+}
+
+fn merge_inner(
+    comm: &mut impl Communicator<f32>,
+    out: &mut [f32],
+    lse: &mut [f32],
+    num_heads: usize,
+    head_dim_v: usize,
+) -> Result<(), RingError> {
+    for (arg, n) in [("num_heads", num_heads), ("head_dim_v", head_dim_v)] {
+        if n == 0 {
+            return Err(RingError::InvalidArgument {
+                arg,
+                reason: "must be > 0".into(),
+            });
+        }
     }
     if !lse.len().is_multiple_of(num_heads) {
         return Err(RingError::ShapeMismatch {
@@ -55,26 +76,35 @@ pub fn all_merge(
         });
     }
     let (cp_rank, cp_size) = (comm.cp_rank(), comm.cp_size());
+    if cp_rank >= cp_size {
+        return Err(RingError::InvalidArgument {
+            arg: "comm",
+            reason: format!("cp_rank {cp_rank} with cp_size {cp_size}"),
+        });
+    }
+    let tag = call_tag("all_merge", [t as u64, num_heads as u64, head_dim_v as u64]);
     // Gather: after step s this rank holds the partial of cp_rank - s.
     let mut partials: Vec<Option<Vec<f32>>> = vec![None; cp_size];
     let mine: Vec<f32> = out.iter().chain(lse.iter()).copied().collect();
-    let mut block = mine.clone();
+    let mut block = Block {
+        tag,
+        data: mine.clone(),
+    };
     partials[cp_rank] = Some(mine);
     for step in 1..cp_size {
         comm.send_next(block)?;
         block = comm.recv_prev()?;
-        if block.len() != out.len() + lse.len() {
+        let src = (cp_rank + cp_size - step) % cp_size;
+        if block.tag != tag || block.data.len() != out.len() + lse.len() {
             return Err(RingError::Communication {
                 cp_rank,
                 reason: format!(
-                    "partial of rank {} has {} elements, expected {}",
-                    (cp_rank + cp_size - step) % cp_size,
-                    block.len(),
-                    out.len() + lse.len()
+                    "the partial of rank {src} belongs to another call \
+                     (the ranks' token counts, heads or head dims differ)"
                 ),
             });
         }
-        partials[(cp_rank + cp_size - step) % cp_size] = Some(block.clone());
+        partials[src] = Some(block.data.clone());
     }
     // Merge in rank order.
     let mut acc_out = vec![0f32; out.len()];

@@ -9,7 +9,17 @@
 //! (replicated) queries to its own keys and [`all_merge()`] combines the
 //! partial results on every rank.
 //! Ranks talk through a [`Communicator`]: [`ThreadComm`] for threads of
-//! one process (MPI and NCCL communicators are not written yet).
+//! one process (MPI and NCCL communicators are not written yet). A
+//! communicator carries one element type: `Communicator<T>` for a ring
+//! forward over `T` inputs, `Communicator<f32>` for [`all_merge()`], so a
+//! bf16 model keeps two rings.
+//!
+//! Every rank makes the same calls in the same order with the same
+//! `seqlens` and configuration; blocks are tagged with their call, so a
+//! disagreement is an error on every rank, never mixed data. When a call
+//! fails on one rank, it aborts its communicator and the others fail too
+//! (a rank that stays alive without calling is waited for); the ring is
+//! then unusable and must be rebuilt.
 //!
 //! ```
 //! use te_attention::{AttnMaskType, DotProductAttention};
@@ -55,7 +65,7 @@ pub mod layout;
 pub mod ring;
 
 pub use all_merge::all_merge;
-pub use comm::{Communicator, ThreadComm};
+pub use comm::{call_tag, Block, Communicator, ThreadComm};
 pub use error::RingError;
 pub use layout::Zigzag;
 pub use ring::RingAttention;

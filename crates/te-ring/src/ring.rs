@@ -16,7 +16,7 @@
 use te_attention::{merge_partial, AttnMaskType, AttnMetadata, DotProductAttention, KvInput};
 use te_kernels::{Element, QkvFormat};
 
-use crate::comm::Communicator;
+use crate::comm::{call_tag, Block, Communicator};
 use crate::error::RingError;
 use crate::layout::Zigzag;
 
@@ -26,8 +26,10 @@ use crate::layout::Zigzag;
 /// Supported: self-attention (`sq == skv` per sequence) with `no_mask` /
 /// `padding` or a causal mask (`causal`, `padding_causal` and their
 /// bottom-right variants, which coincide for self-attention); GQA/MQA,
-/// `d_qk != d_v`, softcap and `softmax_scale` as configured. Sliding
-/// windows are not supported yet.
+/// `d_qk != d_v`, softcap and `softmax_scale` as configured. Shards are
+/// always thd (the configuration's formats are replaced), and `padding`
+/// is `no_mask` here (thd has no padding). Sliding windows are not
+/// supported yet (a window of `(-1, 0)` under a causal mask is no window).
 #[derive(Clone, Debug)]
 pub struct RingAttention {
     attn: DotProductAttention,
@@ -84,16 +86,59 @@ impl RingAttention {
     ///   d_v]`: this rank's zigzag shard (thd, `t` = the sum of
     ///   [`Zigzag::local_cu_seqlens`]).
     /// - `out`: `[t, h_q, d_v]`; `lse`: optional `[h_q, t]` f32, natural
-    ///   log, -inf where a query sees no key.
+    ///   log, -inf where a query sees no key ([`Zigzag::unshard_lse`]
+    ///   reassembles the full `[h_q, total]`).
     ///
     /// Results equal single-rank attention over the full sequences (f32:
     /// within rounding of the merge).
     ///
     /// Errors: [`RingError::ShapeMismatch`] naming the tensor whose length
-    /// disagrees with `seqlens`; [`RingError::Communication`] when a peer
-    /// fails or sends a block of the wrong size; [`RingError::Attention`]
-    /// from a block's attention. Nothing is written to `out`/`lse` then.
+    /// disagrees with `seqlens`; [`RingError::InvalidArgument`] for a
+    /// communicator whose rank is not below its size;
+    /// [`RingError::Communication`] when a peer fails, or runs a different
+    /// call (other `seqlens`, heads, dims, mask, scale, softcap or dtype);
+    /// [`RingError::Attention`] from a block's attention. Nothing is
+    /// written to `out`/`lse` then, and `comm` is aborted
+    /// ([`Communicator::abort`]) so that no peer waits for this rank or
+    /// falls out of step with it.
     pub fn forward_cpu<T: Element, O: Element>(
+        &self,
+        comm: &mut impl Communicator<T>,
+        seqlens: &[usize],
+        q: &[T],
+        k: &[T],
+        v: &[T],
+        out: &mut [O],
+        lse: Option<&mut [f32]>,
+    ) -> Result<(), RingError> {
+        let result = self.forward_inner(comm, seqlens, q, k, v, out, lse);
+        if result.is_err() {
+            comm.abort();
+        }
+        result
+    }
+
+    /// The tag of a forward: every argument the ranks must agree on.
+    fn tag<T: Element>(&self, seqlens: &[usize]) -> u64 {
+        let a = &self.attn;
+        let config = [
+            a.num_attention_heads as u64,
+            a.num_gqa_groups as u64,
+            a.head_dim_qk as u64,
+            a.head_dim_v as u64,
+            u64::from(self.causal),
+            u64::from(a.effective_softmax_scale().to_bits()),
+            a.softcap.map_or(u64::MAX, |c| u64::from(c.to_bits())),
+            T::DTYPE.size_in_bytes() as u64 * 10 + T::DTYPE as u64,
+            seqlens.len() as u64,
+        ];
+        call_tag(
+            "ring_attention",
+            config.into_iter().chain(seqlens.iter().map(|&n| n as u64)),
+        )
+    }
+
+    fn forward_inner<T: Element, O: Element>(
         &self,
         comm: &mut impl Communicator<T>,
         seqlens: &[usize],
@@ -112,6 +157,8 @@ impl RingAttention {
         );
         let (cp_rank, cp_size) = (comm.cp_rank(), comm.cp_size());
         let z = Zigzag::new(cp_size)?;
+        z.chunk_ids(cp_rank)?;
+        let tag = self.tag::<T>(seqlens);
         let t = z
             .local_cu_seqlens(seqlens, cp_rank)?
             .last()
@@ -148,7 +195,10 @@ impl RingAttention {
             [0, 1].map(|s| vec![f32::NEG_INFINITY; my_slots[s].rows * hq]);
 
         // The block travelling round the ring: its holder's K then V.
-        let mut block: Vec<T> = k.iter().chain(v).copied().collect();
+        let mut block = Block {
+            tag,
+            data: k.iter().chain(v).copied().collect(),
+        };
         for step in 0..cp_size {
             let src = (cp_rank + cp_size - step) % cp_size;
             let src_t = z
@@ -156,27 +206,26 @@ impl RingAttention {
                 .last()
                 .copied()
                 .unwrap_or(0) as usize;
-            if block.len() != src_t * hkv * (dqk + dv) {
+            if block.tag != tag || block.data.len() != src_t * hkv * (dqk + dv) {
                 return Err(RingError::Communication {
                     cp_rank,
                     reason: format!(
-                        "block of rank {src} has {} elements, expected {}",
-                        block.len(),
-                        src_t * hkv * (dqk + dv)
+                        "the block of rank {src} belongs to another call: the ranks' seqlens, \
+                         heads, dims, mask, scale, softcap or dtype differ"
                     ),
                 });
             }
             if step + 1 < cp_size {
                 comm.send_next(block.clone())?;
             }
-            let (k_src, v_src) = block.split_at(src_t * hkv * dqk);
+            let (k_src, v_src) = block.data.split_at(src_t * hkv * dqk);
             let kv_slots = slots(&z, seqlens, src);
             let k_parts: [Vec<T>; 2] =
                 [0, 1].map(|s| gather(k_src, hkv * dqk, &z, seqlens, src, s));
             let v_parts: [Vec<T>; 2] = [0, 1].map(|s| gather(v_src, hkv * dv, &z, seqlens, src, s));
             for qs in 0..2 {
                 for ks in 0..2 {
-                    let pair = self.pair(z.chunk_ids(cp_rank)[qs], z.chunk_ids(src)[ks]);
+                    let pair = self.pair(z.ids(cp_rank)[qs], z.ids(src)[ks]);
                     if pair == Pair::Future || my_slots[qs].rows == 0 || kv_slots[ks].rows == 0 {
                         continue;
                     }
@@ -225,7 +274,7 @@ impl RingAttention {
         let mut row = 0;
         let mut slot_row = [0usize; 2];
         for &n in seqlens {
-            for (s, r) in z.chunks(n, cp_rank).into_iter().enumerate() {
+            for (s, r) in z.ranges(n, cp_rank).into_iter().enumerate() {
                 for _ in r {
                     let src = &acc_out[s][slot_row[s] * hq * dv..][..hq * dv];
                     for (d, &x) in out[row * hq * dv..][..hq * dv].iter_mut().zip(src) {
@@ -263,7 +312,7 @@ fn slots(z: &Zigzag, seqlens: &[usize], cp_rank: usize) -> [Slot; 2] {
         let mut cu = vec![0i32];
         let mut rows = 0;
         for &n in seqlens {
-            rows += z.chunks(n, cp_rank)[s].len();
+            rows += z.ranges(n, cp_rank)[s].len();
             cu.push(rows as i32);
         }
         Slot { cu, rows }
@@ -283,7 +332,7 @@ fn gather<T: Copy>(
     let mut out = Vec::new();
     let mut row = 0;
     for &n in seqlens {
-        let [a, b] = z.chunks(n, cp_rank);
+        let [a, b] = z.ranges(n, cp_rank);
         let lens = [a.len(), b.len()];
         let start = row + if s == 0 { 0 } else { lens[0] };
         out.extend_from_slice(&x[start * width..(start + lens[s]) * width]);

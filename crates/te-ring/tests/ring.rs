@@ -278,7 +278,7 @@ fn a_rank_with_bad_input_fails_and_its_peers_do_not_hang() {
                 s.spawn(move || {
                     let r = comm.cp_rank();
                     // Rank 1 passes one token too many.
-                    let t = Zigzag::new(3).unwrap().local_len(12, r) + usize::from(r == 1);
+                    let t = Zigzag::new(3).unwrap().local_len(12, r).unwrap() + usize::from(r == 1);
                     let x = vec![0.5f32; t * 8];
                     let mut out = vec![0f32; t * 8];
                     ring.forward_cpu(&mut comm, &seqlens, &x, &x, &x, &mut out, None)
@@ -297,5 +297,92 @@ fn a_rank_with_bad_input_fails_and_its_peers_do_not_hang() {
             "rank {r}: {:?}",
             results[r]
         );
+    }
+}
+
+/// One rank's output, or its error.
+type RankResult = Result<Vec<f32>, RingError>;
+
+/// Runs one forward per rank of a 2- or 3-rank ring with per-rank
+/// `seqlens` and token counts; the per-rank results.
+fn run_ranks(
+    comms: Vec<ThreadComm<f32>>,
+    ring: &RingAttention,
+    seqlens: &[Vec<usize>],
+    extra_tokens: &[usize],
+) -> (Vec<ThreadComm<f32>>, Vec<RankResult>) {
+    let cp = comms.len();
+    std::thread::scope(|s| {
+        let ranks: Vec<_> = comms
+            .into_iter()
+            .map(|mut comm| {
+                s.spawn(move || {
+                    let r = comm.cp_rank();
+                    let z = Zigzag::new(cp).unwrap();
+                    let t = z
+                        .local_cu_seqlens(&seqlens[r], r)
+                        .unwrap()
+                        .last()
+                        .copied()
+                        .unwrap() as usize
+                        + extra_tokens[r];
+                    let x: Vec<f32> = (0..t * 8).map(|i| (i % 5) as f32 / 5.0).collect();
+                    let mut out = vec![0f32; t * 8];
+                    let res = ring
+                        .forward_cpu(&mut comm, &seqlens[r], &x, &x, &x, &mut out, None)
+                        .map(|()| out);
+                    (comm, res)
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|r| r.join().unwrap()).unzip()
+    })
+}
+
+#[test]
+fn after_an_error_the_ring_fails_instead_of_mixing_calls() {
+    let ring = RingAttention::new(
+        DotProductAttention::new(1, 8).with_attn_mask_type(AttnMaskType::Causal),
+    )
+    .unwrap();
+    let seqlens = vec![vec![9, 4]; 2];
+    // Call 1: rank 1 passes a token too many.
+    let (comms, first) = run_ranks(ThreadComm::ring(2).unwrap(), &ring, &seqlens, &[0, 1]);
+    assert!(matches!(
+        first[1],
+        Err(RingError::ShapeMismatch { arg: "q", .. })
+    ));
+    assert!(
+        matches!(first[0], Err(RingError::Communication { .. })),
+        "{:?}",
+        first[0]
+    );
+    // Call 2 with good input on the same communicators: every rank fails.
+    let (_, second) = run_ranks(comms, &ring, &seqlens, &[0, 0]);
+    for (r, res) in second.iter().enumerate() {
+        let err = res.as_ref().unwrap_err().to_string();
+        assert!(
+            err.contains("aborted") || err.contains("failed or left"),
+            "rank {r}: {err}"
+        );
+    }
+}
+
+#[test]
+fn ranks_with_different_seqlens_all_fail() {
+    let ring = RingAttention::new(DotProductAttention::new(1, 8)).unwrap();
+    for seqlens in [
+        vec![vec![10, 3], vec![3, 10]],
+        vec![vec![13], vec![10, 3]],
+        vec![vec![10, 3, 7], vec![10, 3, 8], vec![10, 3, 7]],
+    ] {
+        let cp = seqlens.len();
+        let (_, results) = run_ranks(ThreadComm::ring(cp).unwrap(), &ring, &seqlens, &vec![0; cp]);
+        for (r, res) in results.iter().enumerate() {
+            assert!(
+                matches!(res, Err(RingError::Communication { .. })),
+                "{seqlens:?} rank {r}: {res:?}"
+            );
+        }
     }
 }
