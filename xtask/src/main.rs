@@ -1,11 +1,12 @@
 //! `cargo xtask`: the project's build tooling (test, bench, kernels,
-//! fetch-models). One module per command.
+//! fetch-models, gpu-bundle). One module per command.
 
 mod bench;
 mod bench_attention;
 mod bench_kernels;
 mod bench_models;
 mod fetch_models;
+mod gpu_bundle;
 mod kernels;
 mod test;
 
@@ -20,6 +21,7 @@ fn main() -> anyhow::Result<()> {
         "bench" => bench::run(rest),
         "kernels" => kernels::run(rest),
         "fetch-models" => fetch_models::run(rest),
+        "gpu-bundle" => gpu_bundle::run(rest),
         _ => {
             eprintln!(
                 "usage: cargo xtask <command>\n\n\
@@ -27,7 +29,8 @@ fn main() -> anyhow::Result<()> {
                  test [--gpu]       run every test (fetches the test models first)\n  \
                  bench [SECTION]    kernels, attention and models benchmarks\n  \
                  kernels            compile kernels/*.cu with NVRTC for sm_80 and sm_90\n  \
-                 fetch-models       download and verify the test models into $TE_HOME"
+                 fetch-models       download and verify the test models into $TE_HOME\n  \
+                 gpu-bundle         GPU parity test binaries + run.sh for a GPU machine without Rust"
             );
             if cmd == "help" || cmd == "--help" {
                 Ok(())
