@@ -28,8 +28,8 @@ set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${OUT:-$here}"
 export TE_REQUIRE_GPU=1
-# NVRTC and the CUDA runtime: the toolkit's and any pip wheels' libraries.
-for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/lib/x86_64-linux-gnu; do
+# The driver, NVRTC and the CUDA runtime: the driver mount, the toolkit and any pip wheels.
+for d in /usr/local/nvidia/lib64 /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/lib/x86_64-linux-gnu; do
   [ -d "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
 done
 if command -v python3 >/dev/null; then
