@@ -4,7 +4,8 @@
 //! load-balanced zigzag layout ([`Zigzag`], DESIGN.md §6); each step a rank
 //! attends its queries to the KV block it holds, passes the block on to the
 //! next rank, and merges partial outputs in f32 by log-sum-exp
-//! ([`RingAttention`]). Blocks entirely in the causal future are skipped.
+//! ([`RingAttention`]: causal or not, sliding windows, GQA, softcap).
+//! Blocks entirely in the causal future are skipped.
 //! For decode with the KV cache split across ranks, each rank attends the
 //! (replicated) queries to its own keys and [`all_merge()`] combines the
 //! partial results on every rank.

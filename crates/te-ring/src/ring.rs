@@ -13,7 +13,9 @@
 //! (earlier key chunk: no mask), the diagonal (same chunk: causal), or
 //! entirely in the future (skipped without computing).
 
-use te_attention::{merge_partial, AttnMaskType, AttnMetadata, DotProductAttention, KvInput};
+use te_attention::{
+    merge_partial, merge_row, AttnMaskType, AttnMetadata, DotProductAttention, KvInput,
+};
 use te_kernels::{Element, QkvFormat};
 
 use crate::comm::{call_tag, Block, Communicator};
@@ -28,12 +30,18 @@ use crate::layout::Zigzag;
 /// bottom-right variants, which coincide for self-attention); GQA/MQA,
 /// `d_qk != d_v`, softcap and `softmax_scale` as configured. Shards are
 /// always thd (the configuration's formats are replaced), and `padding`
-/// is `no_mask` here (thd has no padding). Sliding windows are not
-/// supported yet (a window of `(-1, 0)` under a causal mask is no window).
+/// is `no_mask` here (thd has no padding). Sliding windows `(left,
+/// right)` are in positions: the query at position `p` sees keys
+/// `p - left ..= p + right` (`right` 0 under a causal mask; -1 unbounded).
+/// Without a window, every chunk pair of all sequences is one batched
+/// attention call; with one, each sequence's pair is its own call, with
+/// the window shifted to the chunks' positions.
 #[derive(Clone, Debug)]
 pub struct RingAttention {
     attn: DotProductAttention,
     causal: bool,
+    /// `(left, right)` with causal's right = 0; `None` when unbounded.
+    window: Option<(i64, i64)>,
 }
 
 /// What one (query chunk, key chunk) pair needs.
@@ -51,31 +59,32 @@ struct Slot {
     rows: usize,
 }
 
+/// The operands of one chunk pair: Q rows of a slot and its layout, K and
+/// V rows of a slot of the block and their layout.
+struct Parts<'a, T> {
+    q: (&'a [T], &'a Slot),
+    k: &'a [T],
+    v: &'a [T],
+    kv: &'a Slot,
+}
+
 impl RingAttention {
-    /// Errors: [`RingError::InvalidArgument`] for a sliding window;
-    /// [`RingError::Attention`] for an invalid configuration
+    /// Errors: [`RingError::Attention`] for an invalid configuration
     /// (see [`DotProductAttention::validate`]).
     pub fn new(attn: DotProductAttention) -> Result<Self, RingError> {
         attn.validate()?;
         let causal = attn.attn_mask_type.is_causal();
-        let unbounded = match attn.window_size {
-            None | Some((-1, -1)) => true,
-            Some((-1, 0)) => causal,
-            Some(_) => false,
-        };
-        if !unbounded {
-            return Err(RingError::InvalidArgument {
-                arg: "window_size",
-                reason: format!(
-                    "{:?}: sliding windows are not supported under context parallelism yet",
-                    attn.window_size
-                ),
-            });
-        }
+        let (left, right) = attn.window_size.unwrap_or((-1, -1));
+        let right = if causal { 0 } else { right };
+        let window = (left >= 0 || right >= 0).then_some((left, right));
         let attn = attn
             .with_formats(QkvFormat::Thd, QkvFormat::Thd)
             .with_window_size(-1, -1);
-        Ok(RingAttention { attn, causal })
+        Ok(RingAttention {
+            attn,
+            causal,
+            window,
+        })
     }
 
     /// One rank's part of the forward; every rank of `comm`'s ring calls it
@@ -130,6 +139,8 @@ impl RingAttention {
             u64::from(a.effective_softmax_scale().to_bits()),
             a.softcap.map_or(u64::MAX, |c| u64::from(c.to_bits())),
             T::DTYPE.size_in_bytes() as u64 * 10 + T::DTYPE as u64,
+            self.window.map_or(u64::MAX, |(l, _)| l as u64),
+            self.window.map_or(u64::MAX, |(_, r)| r as u64),
             seqlens.len() as u64,
         ];
         call_tag(
@@ -223,6 +234,32 @@ impl RingAttention {
             let k_parts: [Vec<T>; 2] =
                 [0, 1].map(|s| gather(k_src, hkv * dqk, &z, seqlens, src, s));
             let v_parts: [Vec<T>; 2] = [0, 1].map(|s| gather(v_src, hkv * dv, &z, seqlens, src, s));
+            if let Some(window) = self.window {
+                for qs in 0..2 {
+                    for ks in 0..2 {
+                        let parts = Parts {
+                            q: (&q_parts[qs], &my_slots[qs]),
+                            k: &k_parts[ks],
+                            v: &v_parts[ks],
+                            kv: &kv_slots[ks],
+                        };
+                        let chunks =
+                            |n: usize| (z.ranges(n, cp_rank)[qs].start, z.ranges(n, src)[ks].start);
+                        self.windowed_pair(
+                            window,
+                            seqlens,
+                            chunks,
+                            parts,
+                            &mut acc_out[qs],
+                            &mut acc_lse[qs],
+                        )?;
+                    }
+                }
+                if step + 1 < cp_size {
+                    block = comm.recv_prev()?;
+                }
+                continue;
+            }
             for qs in 0..2 {
                 for ks in 0..2 {
                     let pair = self.pair(z.ids(cp_rank)[qs], z.ids(src)[ks]);
@@ -287,6 +324,90 @@ impl RingAttention {
                     }
                     row += 1;
                     slot_row[s] += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One (query chunk, key chunk) pair under a sliding window, sequence
+    /// by sequence: `chunks(n)` gives the first positions of the query and
+    /// key chunks of a sequence of `n` tokens. In local indices query `i`
+    /// sees keys `i + D - left ..= i + D + right`, `D` = query chunk start
+    /// minus key chunk start. Keys past the last visible one are dropped
+    /// (`k1`) and queries that see no key at all are left out (`q1`); then
+    /// `DotProductAttention`'s bottom-right window `(k1 - q1 - D + left,
+    /// D + right - k1 + q1)` over `q1` queries and `k1` keys is that band.
+    fn windowed_pair<T: Element>(
+        &self,
+        (left, right): (i64, i64),
+        seqlens: &[usize],
+        chunks: impl Fn(usize) -> (usize, usize),
+        parts: Parts<'_, T>,
+        acc_out: &mut [f32],
+        acc_lse: &mut [f32],
+    ) -> Result<(), RingError> {
+        let a = &self.attn;
+        let (hq, hkv, dqk, dv) = (
+            a.num_attention_heads,
+            a.num_gqa_groups,
+            a.head_dim_qk,
+            a.head_dim_v,
+        );
+        let (q_all, q_slot) = parts.q;
+        let t = q_slot.rows;
+        let attn = a.clone().with_attn_mask_type(AttnMaskType::NoMask);
+        for (b, &n) in seqlens.iter().enumerate() {
+            let (q0, q_end) = (q_slot.cu[b] as usize, q_slot.cu[b + 1] as usize);
+            let (k0, k_end) = (parts.kv.cu[b] as usize, parts.kv.cu[b + 1] as usize);
+            let (nq, nk) = ((q_end - q0) as i64, (k_end - k0) as i64);
+            let (q_start, k_start) = chunks(n);
+            let d = q_start as i64 - k_start as i64;
+            // Queries whose lowest visible key is past the chunk see nothing.
+            let q1 = if left >= 0 { nq.min(nk - d + left) } else { nq };
+            // Keys past the last query's highest visible key are never seen.
+            let k1 = if right >= 0 {
+                nk.min(q1 + d + right)
+            } else {
+                nk
+            };
+            if q1 <= 0 || k1 <= 0 {
+                continue;
+            }
+            let window = (
+                if left >= 0 { k1 - q1 - d + left } else { -1 },
+                if right >= 0 { d + right - k1 + q1 } else { -1 },
+            );
+            let (q1, k1) = (q1 as usize, k1 as usize);
+            let attn = attn.clone().with_window_size(window.0, window.1);
+            let (cu_q, cu_kv) = ([0, q1 as i32], [0, k1 as i32]);
+            let meta = AttnMetadata {
+                batch: 1,
+                max_seqlen_q: q1,
+                max_seqlen_kv: k1,
+                cu_seqlens_q: Some(&cu_q),
+                cu_seqlens_kv: Some(&cu_kv),
+            };
+            let mut part_out = vec![0f32; q1 * hq * dv];
+            let mut part_lse = vec![0f32; q1 * hq];
+            attn.forward_cpu(
+                &q_all[q0 * hq * dqk..(q0 + q1) * hq * dqk],
+                KvInput::Tensors {
+                    k: &parts.k[k0 * hkv * dqk..(k0 + k1) * hkv * dqk],
+                    v: &parts.v[k0 * hkv * dv..(k0 + k1) * hkv * dv],
+                },
+                &meta,
+                &mut part_out,
+                Some(&mut part_lse),
+            )?;
+            for i in 0..q1 {
+                for h in 0..hq {
+                    merge_row(
+                        &mut acc_out[((q0 + i) * hq + h) * dv..][..dv],
+                        &mut acc_lse[h * t + q0 + i],
+                        &part_out[(i * hq + h) * dv..][..dv],
+                        part_lse[h * q1 + i],
+                    );
                 }
             }
         }

@@ -19,6 +19,8 @@ struct Case {
     dqk: usize,
     dv: usize,
     softcap: Option<f32>,
+    /// Sliding window `(left, right)` in positions, -1 unbounded.
+    window: Option<(i64, i64)>,
     seed: u64,
 }
 
@@ -40,7 +42,18 @@ impl Case {
         if let Some(c) = self.softcap {
             a = a.with_softcap(c);
         }
+        if let Some((l, r)) = self.window {
+            a = a.with_window_size(l, r);
+        }
         a
+    }
+
+    /// Whether the query at position `i` sees the key at position `j`.
+    fn visible(&self, i: usize, j: usize) -> bool {
+        let (i, j) = (i as i64, j as i64);
+        let (left, right) = self.window.unwrap_or((-1, -1));
+        let right = if self.causal { 0 } else { right };
+        (left < 0 || j >= i - left) && (right < 0 || j <= i + right)
     }
 
     /// Full thd q, k, v rounded to `T`.
@@ -72,9 +85,10 @@ impl Case {
             for i in 0..n {
                 for h in 0..hq {
                     let g = h / self.group;
-                    let keys = if self.causal { i + 1 } else { n };
-                    let logits: Vec<f64> = (0..keys)
-                        .map(|j| {
+                    let keys: Vec<usize> = (0..n).filter(|&j| self.visible(i, j)).collect();
+                    let logits: Vec<f64> = keys
+                        .iter()
+                        .map(|&j| {
                             let qr = &q[((start + i) * hq + h) * dqk..][..dqk];
                             let kr = &k[((start + j) * hkv + g) * dqk..][..dqk];
                             let s: f64 = qr
@@ -93,7 +107,7 @@ impl Case {
                     let sum: f64 = logits.iter().map(|s| (s - m).exp()).sum();
                     let row = (start + i) * hq + h;
                     lse[row] = m + sum.ln();
-                    for (j, s) in logits.iter().enumerate() {
+                    for (&j, s) in keys.iter().zip(&logits) {
                         let p = (s - m).exp() / sum;
                         let vr = &v[((start + j) * hkv + g) * dv..][..dv];
                         for (o, x) in out[row * dv..][..dv].iter_mut().zip(vr) {
@@ -185,10 +199,14 @@ fn cases() -> impl Strategy<Value = Case> {
         prop_oneof![Just(8usize), Just(16), Just(64)],
         any::<bool>(),
         any::<bool>(),
+        prop_oneof![
+            2 => Just(None),
+            1 => (-1i64..12, -1i64..6).prop_map(Some),
+        ],
         any::<u64>(),
     )
         .prop_map(
-            |(cp, seqlens, causal, hkv, group, dqk, dv_differs, softcap, seed)| Case {
+            |(cp, seqlens, causal, hkv, group, dqk, dv_differs, softcap, window, seed)| Case {
                 cp,
                 seqlens,
                 causal,
@@ -197,6 +215,8 @@ fn cases() -> impl Strategy<Value = Case> {
                 dqk,
                 dv: if dv_differs { 8 } else { dqk },
                 softcap: softcap.then_some(2.0),
+                // Causal masks take a window right of 0 or -1.
+                window: window.map(|(l, r)| (l, if causal { r.min(0) } else { r })),
                 seed,
             },
         )
@@ -239,6 +259,7 @@ fn long_causal_sequence_on_four_ranks() {
         dqk: 64,
         dv: 64,
         softcap: None,
+        window: None,
         seed: 7,
     };
     let data = case.data::<f32>();
@@ -247,22 +268,31 @@ fn long_causal_sequence_on_four_ranks() {
 }
 
 #[test]
-fn sliding_windows_are_refused() {
-    let a = DotProductAttention::new(2, 8)
-        .with_attn_mask_type(AttnMaskType::Causal)
-        .with_window_size(4, 0);
-    assert!(matches!(
-        RingAttention::new(a),
-        Err(RingError::InvalidArgument {
-            arg: "window_size",
-            ..
-        })
-    ));
-    // An unbounded window is no window.
-    let a = DotProductAttention::new(2, 8)
-        .with_attn_mask_type(AttnMaskType::Causal)
-        .with_window_size(-1, 0);
-    assert!(RingAttention::new(a).is_ok());
+fn sliding_window_over_long_sequences_on_three_ranks() {
+    // Windows shorter and longer than a chunk, causal (Gemma-style local
+    // layers) and two-sided.
+    for (causal, window) in [
+        (true, (99, 0)),
+        (true, (1000, 0)),
+        (false, (37, 5)),
+        (false, (-1, 60)),
+    ] {
+        let case = Case {
+            cp: 3,
+            seqlens: vec![517, 3, 300],
+            causal,
+            hkv: 1,
+            group: 2,
+            dqk: 64,
+            dv: 64,
+            softcap: None,
+            window: Some(window),
+            seed: 11,
+        };
+        let data = case.data::<f32>();
+        let got = case.run::<f32, f32>(&data);
+        check(&case, &got, &case.reference(&data), 1e-5, 1e-5).unwrap();
+    }
 }
 
 #[test]
