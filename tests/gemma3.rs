@@ -27,3 +27,12 @@ fn top20_logits_match_reference() {
 fn tokenize_matches_reference() {
     check_tokenize(MODEL);
 }
+
+/// The Gemma 3 270M GGUF ships no chat template: `--chat` says so.
+#[test]
+fn chat_without_a_template_is_a_clear_error() {
+    let (ok, _, stderr) = te(&["generate", "--model", MODEL, "--chat", "--prompt", "Hi"]);
+    assert!(!ok);
+    assert!(stderr.contains("no chat template"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

@@ -123,6 +123,33 @@ fn check_roundtrip(model: &str) {
         );
     }
 
+    // The chat template travels in tokenizer_config.json: same chat prompt.
+    let chat = |m: &str| {
+        let (ok, stdout, stderr) = te(&[
+            "generate",
+            "--model",
+            m,
+            "--json",
+            "--chat",
+            "--prompt",
+            "Hi",
+            "--max-new-tokens",
+            "1",
+        ]);
+        ok.then(|| {
+            serde_json::from_str::<serde_json::Value>(stdout.trim()).unwrap()["prompt_tokens"]
+                .clone()
+        })
+        .ok_or(stderr)
+    };
+    match (chat(model), chat(out_str)) {
+        (Ok(gguf), Ok(hf)) => assert_eq!(gguf, hf),
+        (Err(gguf), Err(hf)) => {
+            assert!(gguf.contains("no chat template") && hf.contains("no chat template"))
+        }
+        other => panic!("chat template lost or invented by te convert: {other:?}"),
+    }
+
     // The directory inspects as f32 safetensors with the GGUF's parameters.
     let hf = te_json(&["inspect", "--model", out_str, "--json"]);
     let gguf = te_json(&["inspect", "--model", model, "--json"]);

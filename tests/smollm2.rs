@@ -192,3 +192,58 @@ fn bad_model_files_give_one_line_errors() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--chat` renders the GGUF's ChatML template (SmolLM2-Instruct's, with
+/// its default system prompt, written out here from the model card) and
+/// the instruction-tuned model answers; `--system` replaces the default.
+#[test]
+fn chat_prompts_use_the_models_template() {
+    let question = "What is the capital of France?";
+    let want = |system: &str| {
+        format!(
+            "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n\
+             <|im_start|>assistant\n"
+        )
+    };
+    let tokens = |text: &str| {
+        te_json(&["tokenize", "--model", MODEL, "--json", "--text", text])[0]["ids"].clone()
+    };
+    let o = te_json(&[
+        "generate",
+        "--model",
+        MODEL,
+        "--json",
+        "--chat",
+        "--prompt",
+        question,
+        "--max-new-tokens",
+        "24",
+    ]);
+    assert_eq!(
+        o[0]["prompt_tokens"],
+        tokens(&want(
+            "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        ))
+    );
+    assert_eq!(o[0]["finish_reason"], "eos", "{}", o[0]);
+    assert!(o[0]["text"].as_str().unwrap().contains("Paris"), "{}", o[0]);
+    let o = te_json(&[
+        "generate",
+        "--model",
+        MODEL,
+        "--json",
+        "--chat",
+        "--system",
+        "Be brief.",
+        "--prompt",
+        question,
+        "--max-new-tokens",
+        "1",
+    ]);
+    assert_eq!(o[0]["prompt_tokens"], tokens(&want("Be brief.")));
+    // --system without --chat is a usage error.
+    let (ok, _, stderr) = te(&[
+        "generate", "--model", MODEL, "--system", "x", "--prompt", "y",
+    ]);
+    assert!(!ok && stderr.contains("--chat"), "{stderr}");
+}

@@ -29,11 +29,12 @@ enum Dtype {
 }
 
 /// The files `te convert` writes.
-const OUTPUT_FILES: [&str; 4] = [
+const OUTPUT_FILES: [&str; 5] = [
     "config.json",
     "generation_config.json",
     "model.safetensors",
     "tokenizer.json",
+    "tokenizer_config.json",
 ];
 
 pub fn run(args: Args) -> anyhow::Result<()> {

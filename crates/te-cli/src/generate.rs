@@ -3,6 +3,7 @@
 use std::io::Write;
 
 use anyhow::{bail, Context};
+use te_models::chat::ChatMessage;
 use te_models::generate::{generate, Control, GenerationConfig, GenerationRequest};
 use te_models::sampling::SamplingParams;
 
@@ -52,6 +53,13 @@ pub struct Args {
     /// Most sequences run together.
     #[arg(long, default_value_t = 16)]
     max_batch_size: usize,
+    /// Send each prompt as a user message through the model's chat
+    /// template (instruction-tuned models).
+    #[arg(long)]
+    chat: bool,
+    /// With --chat: a system message before each prompt.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
 }
 
 struct Stream {
@@ -98,9 +106,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let tokenizer = &loaded.tokenizer;
     let mut requests = Vec::with_capacity(prompts.len());
     for (i, p) in prompts.iter().enumerate() {
-        let ids = tokenizer
-            .encode(p, true)
-            .with_context(|| format!("tokenizing prompt {i}"))?;
+        let ids = if args.chat {
+            let mut messages = Vec::new();
+            if let Some(system) = &args.system {
+                messages.push(ChatMessage::new("system", system));
+            }
+            messages.push(ChatMessage::new("user", p));
+            tokenizer.encode_chat(&messages)
+        } else {
+            tokenizer.encode(p, true)
+        }
+        .with_context(|| format!("tokenizing prompt {i}"))?;
         requests.push(GenerationRequest {
             prompt_tokens: ids,
             max_new_tokens: args.max_new_tokens,

@@ -38,8 +38,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     writeln!(out, "tensors:      {}", dtypes.join(", "))?;
     writeln!(
         out,
-        "tokenizer:    {} (vocab {})",
-        info.tokenizer_kind, info.tokenizer_vocab_size
+        "tokenizer:    {} (vocab {}{})",
+        info.tokenizer_kind,
+        info.tokenizer_vocab_size,
+        if info.chat_template {
+            ", chat template"
+        } else {
+            ""
+        }
     )?;
     writeln!(
         out,

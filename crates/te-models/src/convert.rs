@@ -521,6 +521,10 @@ pub fn convert_gguf_to_hf(
         &pretty(&generation_config_json(cfg)),
     )?;
     write_file(&out_dir.join("tokenizer.json"), &tokenizer.to_json()?)?;
+    if let Some(template) = tokenizer.chat_template() {
+        let config = serde_json::json!({ "chat_template": template });
+        write_file(&out_dir.join("tokenizer_config.json"), &pretty(&config))?;
+    }
     Ok(summary)
 }
 

@@ -32,6 +32,8 @@ pub struct ModelInfo {
     pub tokenizer_kind: String,
     /// Tokenizer vocabulary including added tokens.
     pub tokenizer_vocab_size: usize,
+    /// Whether the model ships a chat template (`te generate --chat`).
+    pub chat_template: bool,
     /// Weights fully dequantized to f32: `parameters * 4` bytes (the most
     /// te-rs holds; GGUF block-quantized matrices may stay as stored).
     pub weights_f32_bytes: u64,
@@ -83,6 +85,7 @@ pub fn inspect(source: &ModelSource) -> Result<ModelInfo> {
         tensor_dtypes,
         tokenizer_kind: tokenizer.kind().to_string(),
         tokenizer_vocab_size: tokenizer.vocab_size(),
+        chat_template: tokenizer.chat_template().is_some(),
         weights_f32_bytes: parameters * F32_BYTES,
         weights_stored_bytes,
         kv_cache_bytes_per_token,
@@ -161,6 +164,7 @@ impl ModelInfo {
             "tokenizer": {
                 "kind": self.tokenizer_kind,
                 "vocab_size": self.tokenizer_vocab_size,
+                "chat_template": self.chat_template,
             },
             "memory": {
                 "weights_f32_bytes": self.weights_f32_bytes,

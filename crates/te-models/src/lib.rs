@@ -12,6 +12,7 @@
 //! are dequantized to f32 once at load; errors name the file, tensor or
 //! field at fault.
 
+pub mod chat;
 pub mod config;
 pub mod convert;
 pub mod error;

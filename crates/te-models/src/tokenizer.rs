@@ -74,6 +74,8 @@ pub struct Tokenizer {
     kind: String,
     bos_id: Option<u32>,
     eos_ids: Vec<u32>,
+    /// The model's Jinja chat template, if it ships one.
+    chat_template: Option<String>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -204,13 +206,20 @@ impl Tokenizer {
         }
         eos_ids.sort_unstable();
         eos_ids.dedup();
-        Ok(Self::with_inner(inner, kind, bos_id, eos_ids))
+        let mut t = Self::with_inner(inner, kind, bos_id, eos_ids);
+        if file.metadata("tokenizer.chat_template").is_some() {
+            t.chat_template = Some(file.get_str("tokenizer.chat_template")?.to_string());
+        }
+        Ok(t)
     }
 
     /// Loads a Hugging Face `tokenizer.json`. BOS/EOS ids come from
     /// `generation_config.json` or `config.json` next to it when present
     /// (`bos_token_id`, `eos_token_id`: an id or a list), else from the
-    /// special tokens' texts (`<bos>`, `<s>`, `<|endoftext|>`, ...).
+    /// special tokens' texts (`<bos>`, `<s>`, `<|endoftext|>`, ...). The
+    /// chat template comes from `tokenizer_config.json` next to it
+    /// (`chat_template`: a string, or a list of `{name, template}` of
+    /// which the one named `default` is taken).
     ///
     /// Errors: [`ModelError::Io`] when unreadable, [`ModelError::Tokenizer`]
     /// when not a valid `tokenizer.json`.
@@ -259,7 +268,9 @@ impl Tokenizer {
         eos_ids.sort_unstable();
         eos_ids.dedup();
         let kind = format!("tokenizer.json ({})", model_type(&inner));
-        Ok(Self::with_inner(inner, kind, bos_id, eos_ids))
+        let mut t = Self::with_inner(inner, kind, bos_id, eos_ids);
+        t.chat_template = chat_template_of(&dir.join("tokenizer_config.json"))?;
+        Ok(t)
     }
 
     fn with_inner(
@@ -277,7 +288,18 @@ impl Tokenizer {
             kind,
             bos_id,
             eos_ids,
+            chat_template: None,
         }
+    }
+
+    /// The model's Jinja chat template (see [`crate::chat`]), if any.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// The text of token `id` (e.g. `"<bos>"`), if in the vocabulary.
+    pub fn token_text(&self, id: u32) -> Option<String> {
+        self.parse_special.id_to_token(id)
     }
 
     /// Encodes `text` to token ids, adding BOS when the model says so.
@@ -294,6 +316,38 @@ impl Tokenizer {
             &self.plain
         };
         let encoding = inner.encode_fast(text, true).map_err(tok_err)?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Renders `messages` with the model's chat template
+    /// ([`crate::chat::apply_chat_template`], the generation prompt
+    /// appended) and encodes the text with special tokens parsed; BOS only
+    /// where the template writes it (Hugging Face `apply_chat_template`
+    /// with `tokenize=True`).
+    ///
+    /// Errors: [`ModelError::Request`] when the model has no chat
+    /// template; [`ModelError::Tokenizer`] when rendering or encoding
+    /// fails.
+    pub fn encode_chat(&self, messages: &[crate::chat::ChatMessage]) -> Result<Vec<u32>> {
+        let template = self.chat_template().ok_or_else(|| {
+            ModelError::Request(
+                "this model has no chat template (GGUF tokenizer.chat_template, or \
+                 chat_template in tokenizer_config.json); give a raw prompt instead"
+                    .into(),
+            )
+        })?;
+        let text_of = |id: Option<u32>| id.and_then(|id| self.token_text(id)).unwrap_or_default();
+        let text = crate::chat::apply_chat_template(
+            template,
+            messages,
+            true,
+            &text_of(self.bos_id),
+            &text_of(self.eos_ids.first().copied()),
+        )?;
+        let encoding = self
+            .parse_special
+            .encode_fast(text, false)
+            .map_err(tok_err)?;
         Ok(encoding.get_ids().to_vec())
     }
 
@@ -525,4 +579,73 @@ fn sentencepiece_tokenizer(
     t.with_normalizer(Some(normalizer));
     t.with_decoder(Some(DecoderSequence::new(decoders)));
     Ok(t)
+}
+
+/// The `chat_template` of a Hugging Face `tokenizer_config.json`; `None`
+/// when the file or the field is absent.
+///
+/// Errors: [`ModelError::Config`] when the file is not JSON or the field
+/// is neither a string nor a list of `{name, template}`.
+fn chat_template_of(path: &Path) -> Result<Option<String>> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(None);
+    };
+    let bad = |reason: String| ModelError::Config {
+        field: format!("{}: chat_template", path.display()),
+        reason,
+    };
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+    match &json["chat_template"] {
+        serde_json::Value::Null => Ok(None),
+        serde_json::Value::String(t) => Ok(Some(t.clone())),
+        serde_json::Value::Array(list) => list
+            .iter()
+            .find(|t| t["name"] == "default")
+            .and_then(|t| t["template"].as_str())
+            .map(|t| Some(t.to_string()))
+            .ok_or_else(|| bad("a list without a template named `default`".into())),
+        other => Err(bad(format!("expected a string, got {other}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chat_template_from_tokenizer_config_forms() {
+        let dir = std::env::temp_dir().join(format!("te-chat-template-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tokenizer_config.json");
+        assert_eq!(chat_template_of(&path).unwrap(), None, "no file");
+        for (json, want) in [
+            (r#"{"bos_token": "<s>"}"#, Ok(None)),
+            (r#"{"chat_template": "{{ x }}"}"#, Ok(Some("{{ x }}"))),
+            (
+                r#"{"chat_template": [{"name": "tool_use", "template": "t"}, {"name": "default", "template": "d"}]}"#,
+                Ok(Some("d")),
+            ),
+            (
+                r#"{"chat_template": [{"name": "tool_use", "template": "t"}]}"#,
+                Err("default"),
+            ),
+            (r#"{"chat_template": 3}"#, Err("expected a string")),
+            ("not json", Err("not JSON")),
+        ] {
+            std::fs::write(&path, json).unwrap();
+            match (chat_template_of(&path), want) {
+                (Ok(got), Ok(want)) => assert_eq!(got.as_deref(), want, "{json}"),
+                (Err(e), Err(want)) => {
+                    let e = e.to_string();
+                    assert!(
+                        e.contains(want) && e.contains("chat_template"),
+                        "{json}: {e}"
+                    );
+                }
+                (got, want) => panic!("{json}: {got:?} vs {want:?}"),
+            }
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
