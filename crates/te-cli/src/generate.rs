@@ -204,11 +204,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             let rest = &text[streams[i].printed.min(text.len())..];
             writeln!(stdout, "{rest}")?;
         } else {
-            writeln!(
-                stdout,
-                "### prompt {i}: {}\n{}{}\n",
-                prompts[i], prompts[i], text
-            )?;
+            // A completion continues its prompt; a chat reply stands alone.
+            let echo = if args.chat { "" } else { prompts[i].as_str() };
+            writeln!(stdout, "### prompt {i}: {}\n{echo}{text}\n", prompts[i])?;
         }
     }
     Ok(())

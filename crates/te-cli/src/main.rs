@@ -28,7 +28,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Generate text from one or more prompts (raw completion, no chat template).
+    /// Generate text from one or more prompts (raw completions, or chat
+    /// replies with --chat).
     Generate(generate::Args),
     /// Print the token ids of a text.
     Tokenize(tokenize::Args),

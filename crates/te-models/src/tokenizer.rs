@@ -74,8 +74,13 @@ pub struct Tokenizer {
     kind: String,
     bos_id: Option<u32>,
     eos_ids: Vec<u32>,
-    /// The model's Jinja chat template, if it ships one.
-    chat_template: Option<String>,
+    /// The model's Jinja chat template if it ships one, or why the one it
+    /// ships could not be read (reported when a chat prompt is encoded, so
+    /// a bad template never blocks raw prompts).
+    chat_template: std::result::Result<Option<String>, String>,
+    /// The texts chat templates get as `bos_token` and `eos_token`.
+    chat_bos: String,
+    chat_eos: String,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -189,6 +194,7 @@ impl Tokenizer {
             inner.with_post_processor(Some(template));
         }
 
+        let primary_eos = opt_u32("tokenizer.ggml.eos_token_id")?;
         let mut eos_ids = Vec::new();
         for key in [
             "tokenizer.ggml.eos_token_id",
@@ -207,9 +213,14 @@ impl Tokenizer {
         eos_ids.sort_unstable();
         eos_ids.dedup();
         let mut t = Self::with_inner(inner, kind, bos_id, eos_ids);
-        if file.metadata("tokenizer.chat_template").is_some() {
-            t.chat_template = Some(file.get_str("tokenizer.chat_template")?.to_string());
-        }
+        t.chat_template = match file.metadata("tokenizer.chat_template") {
+            None => Ok(None),
+            Some(_) => file
+                .get_str("tokenizer.chat_template")
+                .map(|s| Some(s.to_string()))
+                .map_err(|e| e.to_string()),
+        };
+        t.chat_eos = t.text_of(primary_eos);
         Ok(t)
     }
 
@@ -233,7 +244,7 @@ impl Tokenizer {
             .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))?;
         let dir = path.parent().unwrap_or(Path::new("."));
         let mut bos_id = None;
-        let mut eos_ids = Vec::new();
+        let mut eos_ids: Vec<u32> = Vec::new();
         for name in ["generation_config.json", "config.json"] {
             let Ok(text) = std::fs::read_to_string(dir.join(name)) else {
                 continue;
@@ -265,11 +276,29 @@ impl Tokenizer {
                 .filter_map(|t| inner.token_to_id(t))
                 .collect();
         }
+        let primary_eos = eos_ids.first().copied();
         eos_ids.sort_unstable();
         eos_ids.dedup();
         let kind = format!("tokenizer.json ({})", model_type(&inner));
         let mut t = Self::with_inner(inner, kind, bos_id, eos_ids);
-        t.chat_template = chat_template_of(&dir.join("tokenizer_config.json"))?;
+        t.chat_eos = t.text_of(primary_eos);
+        let config = read_tokenizer_config(&dir.join("tokenizer_config.json"));
+        // bos_token / eos_token of tokenizer_config.json win, as in
+        // Hugging Face (a string or `{"content": ...}`).
+        if let Ok(Some(json)) = &config {
+            let text = |v: &serde_json::Value| {
+                v.as_str()
+                    .or_else(|| v["content"].as_str())
+                    .map(str::to_string)
+            };
+            if let Some(bos) = text(&json["bos_token"]) {
+                t.chat_bos = bos;
+            }
+            if let Some(eos) = text(&json["eos_token"]) {
+                t.chat_eos = eos;
+            }
+        }
+        t.chat_template = chat_template_of(dir, config);
         Ok(t)
     }
 
@@ -286,15 +315,29 @@ impl Tokenizer {
             parse_special: inner,
             plain,
             kind,
+            chat_bos: String::new(),
+            chat_eos: String::new(),
             bos_id,
             eos_ids,
-            chat_template: None,
+            chat_template: Ok(None),
         }
+        .with_bos_text()
     }
 
-    /// The model's Jinja chat template (see [`crate::chat`]), if any.
+    fn with_bos_text(mut self) -> Self {
+        self.chat_bos = self.text_of(self.bos_id);
+        self
+    }
+
+    /// The text of token `id`, or "" when there is none.
+    fn text_of(&self, id: Option<u32>) -> String {
+        id.and_then(|id| self.token_text(id)).unwrap_or_default()
+    }
+
+    /// The model's Jinja chat template (see [`crate::chat`]), if it ships
+    /// one that could be read.
     pub fn chat_template(&self) -> Option<&str> {
-        self.chat_template.as_deref()
+        self.chat_template.as_ref().ok().and_then(|t| t.as_deref())
     }
 
     /// The text of token `id` (e.g. `"<bos>"`), if in the vocabulary.
@@ -326,24 +369,39 @@ impl Tokenizer {
     /// with `tokenize=True`).
     ///
     /// Errors: [`ModelError::Request`] when the model has no chat
-    /// template; [`ModelError::Tokenizer`] when rendering or encoding
-    /// fails.
+    /// template or the template renders nothing; [`ModelError::Config`]
+    /// when the model's template could not be read;
+    /// [`ModelError::Tokenizer`] when rendering or encoding fails.
     pub fn encode_chat(&self, messages: &[crate::chat::ChatMessage]) -> Result<Vec<u32>> {
-        let template = self.chat_template().ok_or_else(|| {
-            ModelError::Request(
-                "this model has no chat template (GGUF tokenizer.chat_template, or \
-                 chat_template in tokenizer_config.json); give a raw prompt instead"
-                    .into(),
-            )
-        })?;
-        let text_of = |id: Option<u32>| id.and_then(|id| self.token_text(id)).unwrap_or_default();
+        let template = match &self.chat_template {
+            Ok(Some(t)) => t,
+            Ok(None) => {
+                return Err(ModelError::Request(
+                    "this model has no chat template (GGUF tokenizer.chat_template, or a \
+                     Hugging Face chat_template.jinja / tokenizer_config.json chat_template); \
+                     give a raw prompt instead"
+                        .into(),
+                ))
+            }
+            Err(reason) => {
+                return Err(ModelError::Config {
+                    field: "chat_template".into(),
+                    reason: reason.clone(),
+                })
+            }
+        };
         let text = crate::chat::apply_chat_template(
             template,
             messages,
             true,
-            &text_of(self.bos_id),
-            &text_of(self.eos_ids.first().copied()),
+            &self.chat_bos,
+            &self.chat_eos,
         )?;
+        if text.is_empty() {
+            return Err(ModelError::Request(
+                "the model's chat template rendered nothing".into(),
+            ));
+        }
         let encoding = self
             .parse_special
             .encode_fast(text, false)
@@ -581,21 +639,40 @@ fn sentencepiece_tokenizer(
     Ok(t)
 }
 
-/// The `chat_template` of a Hugging Face `tokenizer_config.json`; `None`
-/// when the file or the field is absent.
-///
-/// Errors: [`ModelError::Config`] when the file is not JSON or the field
-/// is neither a string nor a list of `{name, template}`.
-fn chat_template_of(path: &Path) -> Result<Option<String>> {
+/// A Hugging Face `tokenizer_config.json` as JSON; `None` when absent.
+fn read_tokenizer_config(path: &Path) -> std::result::Result<Option<serde_json::Value>, String> {
     let Ok(text) = std::fs::read_to_string(path) else {
         return Ok(None);
     };
-    let bad = |reason: String| ModelError::Config {
-        field: format!("{}: chat_template", path.display()),
-        reason,
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| format!("{}: not JSON: {e}", path.display()))
+}
+
+/// The chat template of a Hugging Face directory: `chat_template.jinja`
+/// if present (newer `transformers`), else `chat_template` of
+/// `tokenizer_config.json` (`config`): a string, or a list of `{name,
+/// template}` of which `default` is taken. `Ok(None)` when there is none;
+/// `Err` says what is wrong with the one there is.
+fn chat_template_of(
+    dir: &Path,
+    config: std::result::Result<Option<serde_json::Value>, String>,
+) -> std::result::Result<Option<String>, String> {
+    let jinja = dir.join("chat_template.jinja");
+    if jinja.is_file() {
+        return std::fs::read_to_string(&jinja)
+            .map(Some)
+            .map_err(|e| format!("{}: {e}", jinja.display()));
+    }
+    let Some(json) = config? else {
+        return Ok(None);
     };
-    let json: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let bad = |reason: &str| {
+        format!(
+            "{}: chat_template: {reason}",
+            dir.join("tokenizer_config.json").display()
+        )
+    };
     match &json["chat_template"] {
         serde_json::Value::Null => Ok(None),
         serde_json::Value::String(t) => Ok(Some(t.clone())),
@@ -604,8 +681,8 @@ fn chat_template_of(path: &Path) -> Result<Option<String>> {
             .find(|t| t["name"] == "default")
             .and_then(|t| t["template"].as_str())
             .map(|t| Some(t.to_string()))
-            .ok_or_else(|| bad("a list without a template named `default`".into())),
-        other => Err(bad(format!("expected a string, got {other}"))),
+            .ok_or_else(|| bad("a list without a template named `default`")),
+        other => Err(bad(&format!("expected a string, got {other}"))),
     }
 }
 
@@ -618,7 +695,8 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("te-chat-template-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("tokenizer_config.json");
-        assert_eq!(chat_template_of(&path).unwrap(), None, "no file");
+        let of = || chat_template_of(&dir, read_tokenizer_config(&path));
+        assert_eq!(of(), Ok(None), "no file");
         for (json, want) in [
             (r#"{"bos_token": "<s>"}"#, Ok(None)),
             (r#"{"chat_template": "{{ x }}"}"#, Ok(Some("{{ x }}"))),
@@ -634,18 +712,15 @@ mod tests {
             ("not json", Err("not JSON")),
         ] {
             std::fs::write(&path, json).unwrap();
-            match (chat_template_of(&path), want) {
+            match (of(), want) {
                 (Ok(got), Ok(want)) => assert_eq!(got.as_deref(), want, "{json}"),
-                (Err(e), Err(want)) => {
-                    let e = e.to_string();
-                    assert!(
-                        e.contains(want) && e.contains("chat_template"),
-                        "{json}: {e}"
-                    );
-                }
+                (Err(e), Err(want)) => assert!(e.contains(want), "{json}: {e}"),
                 (got, want) => panic!("{json}: {got:?} vs {want:?}"),
             }
         }
+        // chat_template.jinja wins over tokenizer_config.json.
+        std::fs::write(dir.join("chat_template.jinja"), "{{ y }}").unwrap();
+        assert_eq!(of(), Ok(Some("{{ y }}".to_string())));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

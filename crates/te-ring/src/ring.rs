@@ -33,9 +33,10 @@ use crate::layout::Zigzag;
 /// is `no_mask` here (thd has no padding). Sliding windows `(left,
 /// right)` are in positions: the query at position `p` sees keys
 /// `p - left ..= p + right` (`right` 0 under a causal mask; -1 unbounded).
-/// Without a window, every chunk pair of all sequences is one batched
-/// attention call; with one, each sequence's pair is its own call, with
-/// the window shifted to the chunks' positions.
+/// Without a window (a causal mask alone included), every chunk pair of
+/// all sequences is one batched attention call; with one, each sequence's
+/// pair is its own call, with the window shifted to the chunks' positions.
+/// Window sides beyond 2^40 are treated as that (unbounded in effect).
 #[derive(Clone, Debug)]
 pub struct RingAttention {
     attn: DotProductAttention,
@@ -74,9 +75,21 @@ impl RingAttention {
     pub fn new(attn: DotProductAttention) -> Result<Self, RingError> {
         attn.validate()?;
         let causal = attn.attn_mask_type.is_causal();
+        // Sides past any sequence (positions fit i32 cu_seqlens) are
+        // unbounded in effect; the clamp keeps the band arithmetic of
+        // `windowed_pair` free of overflow.
+        const EDGE: i64 = 1 << 40;
         let (left, right) = attn.window_size.unwrap_or((-1, -1));
-        let right = if causal { 0 } else { right };
-        let window = (left >= 0 || right >= 0).then_some((left, right));
+        let left = if left >= 0 { left.min(EDGE) } else { -1 };
+        let right = if causal {
+            0
+        } else if right >= 0 {
+            right.min(EDGE)
+        } else {
+            -1
+        };
+        // A causal mask's right side of 0 is not a window.
+        let window = (left >= 0 || (!causal && right >= 0)).then_some((left, right));
         let attn = attn
             .with_formats(QkvFormat::Thd, QkvFormat::Thd)
             .with_window_size(-1, -1);

@@ -50,9 +50,9 @@ impl Case {
 
     /// Whether the query at position `i` sees the key at position `j`.
     fn visible(&self, i: usize, j: usize) -> bool {
-        let (i, j) = (i as i64, j as i64);
+        let (i, j) = (i as i128, j as i128);
         let (left, right) = self.window.unwrap_or((-1, -1));
-        let right = if self.causal { 0 } else { right };
+        let (left, right) = (left as i128, if self.causal { 0 } else { right as i128 });
         (left < 0 || j >= i - left) && (right < 0 || j <= i + right)
     }
 
