@@ -13,7 +13,7 @@
 
 use te_attention::merge_partial;
 
-use crate::comm::{call_tag, Block, Communicator};
+use crate::comm::{abort_on_error, call_tag, Block, Communicator};
 use crate::error::RingError;
 
 /// Replaces this rank's partial `(out, lse)` with the merge of every
@@ -39,10 +39,7 @@ pub fn all_merge(
     head_dim_v: usize,
 ) -> Result<(), RingError> {
     let result = merge_inner(comm, out, lse, num_heads, head_dim_v);
-    if result.is_err() {
-        comm.abort();
-    }
-    result
+    abort_on_error(comm, result)
 }
 
 fn merge_inner(

@@ -51,6 +51,18 @@ pub trait Communicator<T>: Send {
     fn abort(&mut self);
 }
 
+/// `result`, after aborting `comm` if it is an error (what every ring
+/// call does on failure, see the module doc).
+pub(crate) fn abort_on_error<T, R>(
+    comm: &mut impl Communicator<T>,
+    result: Result<R, RingError>,
+) -> Result<R, RingError> {
+    if result.is_err() {
+        comm.abort();
+    }
+    result
+}
+
 /// The tag of a call: FNV-1a over `words` (the operation's name bytes,
 /// lengths, dims, flags), the same on every rank and every build.
 pub fn call_tag(op: &str, words: impl IntoIterator<Item = u64>) -> u64 {

@@ -18,7 +18,7 @@ use te_attention::{
 };
 use te_kernels::{Element, QkvFormat};
 
-use crate::comm::{call_tag, Block, Communicator};
+use crate::comm::{abort_on_error, call_tag, Block, Communicator};
 use crate::error::RingError;
 use crate::layout::Zigzag;
 
@@ -134,10 +134,7 @@ impl RingAttention {
         lse: Option<&mut [f32]>,
     ) -> Result<(), RingError> {
         let result = self.forward_inner(comm, seqlens, q, k, v, out, lse);
-        if result.is_err() {
-            comm.abort();
-        }
-        result
+        abort_on_error(comm, result)
     }
 
     /// The tag of a forward: every argument the ranks must agree on.

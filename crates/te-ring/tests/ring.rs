@@ -298,25 +298,13 @@ fn sliding_window_over_long_sequences_on_three_ranks() {
 #[test]
 fn a_rank_with_bad_input_fails_and_its_peers_do_not_hang() {
     let ring = RingAttention::new(DotProductAttention::new(1, 8)).unwrap();
-    let seqlens = [12usize];
-    let results: Vec<Result<(), RingError>> = std::thread::scope(|s| {
-        let ranks: Vec<_> = ThreadComm::<f32>::ring(3)
-            .unwrap()
-            .into_iter()
-            .map(|mut comm| {
-                let ring = &ring;
-                s.spawn(move || {
-                    let r = comm.cp_rank();
-                    // Rank 1 passes one token too many.
-                    let t = Zigzag::new(3).unwrap().local_len(12, r).unwrap() + usize::from(r == 1);
-                    let x = vec![0.5f32; t * 8];
-                    let mut out = vec![0f32; t * 8];
-                    ring.forward_cpu(&mut comm, &seqlens, &x, &x, &x, &mut out, None)
-                })
-            })
-            .collect();
-        ranks.into_iter().map(|r| r.join().unwrap()).collect()
-    });
+    // Rank 1 passes one token too many.
+    let (_, results) = run_ranks(
+        ThreadComm::ring(3).unwrap(),
+        &ring,
+        &[vec![12], vec![12], vec![12]],
+        &[0, 1, 0],
+    );
     assert!(matches!(
         results[1],
         Err(RingError::ShapeMismatch { arg: "q", .. })
