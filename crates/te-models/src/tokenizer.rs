@@ -310,7 +310,7 @@ impl Tokenizer {
     ) -> Tokenizer {
         let mut plain = inner.clone();
         plain.set_encode_special_tokens(true);
-        Tokenizer {
+        let mut t = Tokenizer {
             vocab_size: inner.get_vocab_size(true),
             parse_special: inner,
             plain,
@@ -320,13 +320,9 @@ impl Tokenizer {
             bos_id,
             eos_ids,
             chat_template: Ok(None),
-        }
-        .with_bos_text()
-    }
-
-    fn with_bos_text(mut self) -> Self {
-        self.chat_bos = self.text_of(self.bos_id);
-        self
+        };
+        t.chat_bos = t.text_of(bos_id);
+        t
     }
 
     /// The text of token `id`, or "" when there is none.

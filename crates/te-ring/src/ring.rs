@@ -244,71 +244,27 @@ impl RingAttention {
             let k_parts: [Vec<T>; 2] =
                 [0, 1].map(|s| gather(k_src, hkv * dqk, &z, seqlens, src, s));
             let v_parts: [Vec<T>; 2] = [0, 1].map(|s| gather(v_src, hkv * dv, &z, seqlens, src, s));
-            if let Some(window) = self.window {
-                for qs in 0..2 {
-                    for ks in 0..2 {
-                        let parts = Parts {
-                            q: (&q_parts[qs], &my_slots[qs]),
-                            k: &k_parts[ks],
-                            v: &v_parts[ks],
-                            kv: &kv_slots[ks],
-                        };
-                        let chunks =
-                            |n: usize| (z.ranges(n, cp_rank)[qs].start, z.ranges(n, src)[ks].start);
-                        self.windowed_pair(
-                            window,
-                            seqlens,
-                            chunks,
-                            parts,
-                            &mut acc_out[qs],
-                            &mut acc_lse[qs],
-                        )?;
-                    }
-                }
-                if step + 1 < cp_size {
-                    block = comm.recv_prev()?;
-                }
-                continue;
-            }
             for qs in 0..2 {
                 for ks in 0..2 {
-                    let pair = self.pair(z.ids(cp_rank)[qs], z.ids(src)[ks]);
-                    if pair == Pair::Future || my_slots[qs].rows == 0 || kv_slots[ks].rows == 0 {
-                        continue;
+                    let parts = Parts {
+                        q: (&q_parts[qs], &my_slots[qs]),
+                        k: &k_parts[ks],
+                        v: &v_parts[ks],
+                        kv: &kv_slots[ks],
+                    };
+                    let (acc_out, acc_lse) = (&mut acc_out[qs], &mut acc_lse[qs]);
+                    match self.window {
+                        Some(window) => {
+                            let chunks = |n: usize| {
+                                (z.ranges(n, cp_rank)[qs].start, z.ranges(n, src)[ks].start)
+                            };
+                            self.windowed_pair(window, seqlens, chunks, parts, acc_out, acc_lse)?
+                        }
+                        None => {
+                            let pair = self.pair(z.ids(cp_rank)[qs], z.ids(src)[ks]);
+                            self.batched_pair(pair, seqlens.len(), parts, acc_out, acc_lse)?
+                        }
                     }
-                    let mask = if pair == Pair::Diagonal {
-                        AttnMaskType::Causal
-                    } else {
-                        AttnMaskType::NoMask
-                    };
-                    let attn = a.clone().with_attn_mask_type(mask);
-                    let meta = AttnMetadata {
-                        batch: seqlens.len(),
-                        max_seqlen_q: max_len(&my_slots[qs].cu),
-                        max_seqlen_kv: max_len(&kv_slots[ks].cu),
-                        cu_seqlens_q: Some(&my_slots[qs].cu),
-                        cu_seqlens_kv: Some(&kv_slots[ks].cu),
-                    };
-                    let mut part_out = vec![0f32; my_slots[qs].rows * hq * dv];
-                    let mut part_lse = vec![0f32; my_slots[qs].rows * hq];
-                    attn.forward_cpu(
-                        &q_parts[qs],
-                        KvInput::Tensors {
-                            k: &k_parts[ks],
-                            v: &v_parts[ks],
-                        },
-                        &meta,
-                        &mut part_out,
-                        Some(&mut part_lse),
-                    )?;
-                    merge_partial(
-                        &mut acc_out[qs],
-                        &mut acc_lse[qs],
-                        &part_out,
-                        &part_lse,
-                        hq,
-                        dv,
-                    )?;
                 }
             }
             if step + 1 < cp_size {
@@ -337,6 +293,51 @@ impl RingAttention {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// One (query chunk, key chunk) pair without a window, all `batch`
+    /// sequences in one attention call: no mask for an earlier key chunk,
+    /// causal on the diagonal, nothing for a future one.
+    fn batched_pair<T: Element>(
+        &self,
+        pair: Pair,
+        batch: usize,
+        parts: Parts<'_, T>,
+        acc_out: &mut [f32],
+        acc_lse: &mut [f32],
+    ) -> Result<(), RingError> {
+        let (q, q_slot) = parts.q;
+        if pair == Pair::Future || q_slot.rows == 0 || parts.kv.rows == 0 {
+            return Ok(());
+        }
+        let mask = if pair == Pair::Diagonal {
+            AttnMaskType::Causal
+        } else {
+            AttnMaskType::NoMask
+        };
+        let a = &self.attn;
+        let (hq, dv) = (a.num_attention_heads, a.head_dim_v);
+        let meta = AttnMetadata {
+            batch,
+            max_seqlen_q: max_len(&q_slot.cu),
+            max_seqlen_kv: max_len(&parts.kv.cu),
+            cu_seqlens_q: Some(&q_slot.cu),
+            cu_seqlens_kv: Some(&parts.kv.cu),
+        };
+        let mut part_out = vec![0f32; q_slot.rows * hq * dv];
+        let mut part_lse = vec![0f32; q_slot.rows * hq];
+        a.clone().with_attn_mask_type(mask).forward_cpu(
+            q,
+            KvInput::Tensors {
+                k: parts.k,
+                v: parts.v,
+            },
+            &meta,
+            &mut part_out,
+            Some(&mut part_lse),
+        )?;
+        merge_partial(acc_out, acc_lse, &part_out, &part_lse, hq, dv)?;
         Ok(())
     }
 
