@@ -1,13 +1,17 @@
-//! `InferenceParams`: sequence bookkeeping and KV storage for continuous
-//! batching (TransformerEngine's `pre_step` then per-layer `step`).
+//! `InferenceParams`: sequence bookkeeping for continuous batching
+//! (TransformerEngine's `pre_step` then per-layer `step`) over a
+//! [`KvStorage`]: the sequence table, the page pools with reference counts,
+//! the prefix index and the step plan.
 
 use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
 
-use te_kernels::{save_kv_cpu, DType, Element, KvCacheLayout, KvCacheView, KvStep, QkvFormat};
+use te_kernels::{save_kv_cpu_reusing, DType, Element, KvCacheLayout, KvCacheView, KvStep, QkvFormat};
 
 use crate::error::CacheError;
 use crate::pool::PagePool;
-use crate::storage::Storage;
+use crate::prefix::{page_key, PrefixIndex};
+use crate::storage::{HostKvStorage, KvStorage};
 
 /// How a layer's keys and values are laid out in memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,24 +48,98 @@ struct Sequence {
     cached: usize,
     /// Physical pages per pool, in logical order.
     pages: Vec<Vec<i32>>,
+    /// Leading pages of the prefix pool whose prefix keys are known
+    /// (registered by this sequence or shared from the index).
+    keyed_pages: usize,
+    /// Prefix key of the last of those pages (0 if none).
+    last_key: u128,
 }
 
-/// The metadata of the step planned by the last `pre_step`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct StepPlan {
+/// The metadata of one step, computed once by
+/// [`InferenceParams::pre_step`] and borrowed by every layer
+/// ([`InferenceParams::plan`] hands out a shared handle).
+///
+/// With `b` sequences in the step, in the order given to `pre_step`:
+/// `cu_seqlens_q: [b + 1]`, `cu_seqlens_kv: [b + 1]`, `start_positions: [b]`,
+/// `cache_seqlens: [b]` (all i32), and per page pool a page table
+/// `[b, width]` (i32 physical page ids, unused entries 0) whose `width` is
+/// the most pages any sequence of the step holds in that pool.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepPlan {
     seq_ids: Vec<u64>,
-    /// `[b + 1]`: cumulative step lengths.
     cu_seqlens_q: Vec<i32>,
-    /// `[b + 1]`: cumulative `cache_seqlens`.
     cu_seqlens_kv: Vec<i32>,
-    /// `[b]`: tokens cached before this step.
     start_positions: Vec<i32>,
-    /// `[b]`: tokens cached after this step.
     cache_seqlens: Vec<i32>,
     max_seqlen_q: usize,
     max_seqlen_kv: usize,
-    /// Per pool: `[b, max_pages_per_seq]`, unused entries 0.
+    /// Per pool: `[b, widths[p]]`.
     page_tables: Vec<Vec<i32>>,
+    widths: Vec<usize>,
+}
+
+impl StepPlan {
+    /// Sequences `b` in the step.
+    pub fn batch_size(&self) -> usize {
+        self.seq_ids.len()
+    }
+
+    /// `[b]` sequence ids in batch order.
+    pub fn seq_ids(&self) -> &[u64] {
+        &self.seq_ids
+    }
+
+    /// Tokens `t` fed this step, all sequences together (`cu_seqlens_q[b]`).
+    pub fn num_tokens(&self) -> usize {
+        self.cu_seqlens_q.last().map_or(0, |&t| t as usize)
+    }
+
+    /// `[b + 1]` i32 cumulative step lengths.
+    pub fn cu_seqlens_q(&self) -> &[i32] {
+        &self.cu_seqlens_q
+    }
+
+    /// `[b + 1]` i32 cumulative key lengths `cache_seqlens` (all positions,
+    /// even on ring layers).
+    pub fn cu_seqlens_kv(&self) -> &[i32] {
+        &self.cu_seqlens_kv
+    }
+
+    /// `[b]` i32 tokens cached before this step = position of each
+    /// sequence's first new token (RoPE offset).
+    pub fn start_positions(&self) -> &[i32] {
+        &self.start_positions
+    }
+
+    /// `[b]` i32 tokens cached after this step (`start_positions + step_len`).
+    pub fn cache_seqlens(&self) -> &[i32] {
+        &self.cache_seqlens
+    }
+
+    /// Longest step length.
+    pub fn max_seqlen_q(&self) -> usize {
+        self.max_seqlen_q
+    }
+
+    /// Longest `cache_seqlens` entry.
+    pub fn max_seqlen_kv(&self) -> usize {
+        self.max_seqlen_kv
+    }
+
+    /// Empties the plan, keeping its allocations.
+    fn clear(&mut self, num_pools: usize) {
+        self.seq_ids.clear();
+        self.cu_seqlens_q.clear();
+        self.cu_seqlens_q.push(0);
+        self.cu_seqlens_kv.clear();
+        self.cu_seqlens_kv.push(0);
+        self.start_positions.clear();
+        self.cache_seqlens.clear();
+        self.max_seqlen_q = 0;
+        self.max_seqlen_kv = 0;
+        self.page_tables.resize_with(num_pools, Vec::new);
+        self.widths.resize(num_pools, 0);
+    }
 }
 
 /// The KV cache of a model for many sequences generated together
@@ -71,24 +149,36 @@ struct StepPlan {
 /// 1. [`pre_step`](Self::pre_step) with `(seq_id, step_len)` for every
 ///    sequence that runs this step, in batch order: a new id joins with its
 ///    first chunk, a known id continues (prefill chunk, one-token decode or
-///    several tokens). It computes `cu_seqlens_q`, `cu_seqlens_kv`,
-///    `start_positions` and the page tables once for all layers.
+///    several tokens). It computes the [`StepPlan`] (`cu_seqlens_q`,
+///    `cu_seqlens_kv`, `start_positions`, page tables) once for all layers.
 /// 2. Per layer, [`step`](Self::step) with this step's keys and values: it
 ///    saves them and returns the [`KvCacheView`] attention reads (keys at
 ///    positions `0..cache_seqlens[b]`, or the last `ring_len` of them on a
-///    sliding-window layer). Read the step metadata afterwards through
-///    [`view`](Self::view) and the accessors (the view borrows `self`).
+///    sliding-window layer). The plan is read through [`plan`](Self::plan),
+///    a shared handle that outlives the borrow of `step`.
 /// 3. [`release`](Self::release) a finished sequence to free its pages.
 ///
 /// Storage per layer: contiguous `[max_batch_size, max_seqlen, h_kv, d]`;
 /// paged `[total_num_pages, page_size, h_kv, d]`; sliding-window layers a
 /// ring of `ring_len` rows per sequence (see
 /// [`set_sliding_window`](Self::set_sliding_window)). The cache holds at
-/// most `max_batch_size` sequences at a time.
+/// most `max_batch_size` sequences at a time. Storage sits behind
+/// [`KvStorage`] (host memory: [`HostKvStorage`], the default); everything
+/// else here is bookkeeping any storage reuses.
+///
+/// **Prefix sharing** (paged caches without sliding-window rings): full
+/// pages are registered under a key naming their tokens and every token
+/// before them ([`register_prefix`](Self::register_prefix)); a new
+/// sequence whose tokens start with registered pages holds the same
+/// physical pages ([`attach_prefix`](Self::attach_prefix), reference
+/// counted). Pages are never written while shared or registered: a step
+/// that would write into one copies it to a page of its own first
+/// (copy-on-write). Registered pages that no sequence holds stay cached
+/// until an allocation needs them, least recently released first.
 ///
 /// Every error leaves the cache exactly as it was.
 #[derive(Clone, PartialEq)]
-pub struct InferenceParams {
+pub struct InferenceParams<S = HostKvStorage> {
     max_batch_size: usize,
     max_seqlen: usize,
     num_heads_kv: usize,
@@ -102,15 +192,17 @@ pub struct InferenceParams {
     layer_pool: Vec<usize>,
     /// One pool per distinct page geometry used by some layer.
     pools: Vec<PagePool>,
+    /// The prefix index of pool 0 when sharing is possible (paged, one pool,
+    /// no ring), else `None`.
+    prefix: Option<PrefixIndex>,
     sequences: BTreeMap<u64, Sequence>,
-    plan: Option<StepPlan>,
-    /// `[num_layers]`, each `[num_pages, page_size, h_kv, d_k]`.
-    k_cache: Vec<Storage>,
-    /// `[num_layers]`, each `[num_pages, page_size, h_kv, d_v]`.
-    v_cache: Vec<Storage>,
+    plan: Option<Arc<StepPlan>>,
+    storage: S,
+    /// Reused (cache row, source row) pairs of the KV-save op.
+    save_scratch: Vec<(u64, u64)>,
 }
 
-impl std::fmt::Debug for InferenceParams {
+impl<S> std::fmt::Debug for InferenceParams<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("InferenceParams")
             .field("max_batch_size", &self.max_batch_size)
@@ -131,13 +223,11 @@ fn invalid(arg: &'static str, reason: impl Into<String>) -> CacheError {
     }
 }
 
-impl InferenceParams {
-    /// An empty cache of `num_layers` full-attention layers; all storage is
-    /// allocated here (zeros).
+impl InferenceParams<HostKvStorage> {
+    /// An empty cache of `num_layers` full-attention layers in host memory;
+    /// all storage is allocated here (zeros).
     ///
-    /// Errors: any size 0, a paged `page_size` or `total_num_pages` of 0,
-    /// `max_batch_size * max_seqlen` or `total_num_pages` above `i32::MAX`
-    /// (cu_seqlens and page ids are i32), storage size overflowing usize.
+    /// Errors: as [`with_storage`](Self::with_storage).
     pub fn new(
         max_batch_size: usize,
         max_seqlen: usize,
@@ -147,6 +237,137 @@ impl InferenceParams {
         head_dim_v: usize,
         dtype: DType,
         layout: CacheLayout,
+    ) -> Result<Self, CacheError> {
+        Self::with_storage(
+            max_batch_size,
+            max_seqlen,
+            num_layers,
+            num_heads_kv,
+            head_dim_k,
+            head_dim_v,
+            dtype,
+            layout,
+            HostKvStorage::new(dtype, num_layers),
+        )
+    }
+
+    /// Saves this step's keys and values of `layer` and returns the view
+    /// attention reads.
+    ///
+    /// `k: [.., h_kv, d_k]`, `v: [.., h_kv, d_v]` in `qkv_format`:
+    /// thd `[t, h, d]` with `t = cu_seqlens_q[b]`; bshd `[b, max_seqlen_q, h, d]`;
+    /// sbhd `[max_seqlen_q, b, h, d]` (padding rows are ignored). Token `i`
+    /// of sequence `b` is stored at position `start_positions[b] + i`.
+    ///
+    /// Saving is te-kernels' KV-save op ([`te_kernels::save_kv_cpu`]); it
+    /// allocates nothing once the cache has run a step of this size.
+    ///
+    /// Errors (nothing written): no step planned, `layer` out of range, `T`
+    /// not the cache dtype, `k` or `v` of the wrong length.
+    pub fn step<T: Element>(
+        &mut self,
+        layer: usize,
+        k: &[T],
+        v: &[T],
+        qkv_format: QkvFormat,
+    ) -> Result<KvCacheView<'_, T>, CacheError> {
+        self.check_layer(layer)?;
+        self.check_dtype::<T>("k")?;
+        let plan = self.plan.as_ref().ok_or(CacheError::NoStep)?;
+        let batch = plan.seq_ids.len();
+        let s = plan.max_seqlen_q;
+        let t = plan.num_tokens();
+        let h = self.num_heads_kv;
+        for (arg, tensor, d) in [("k", k, self.head_dim_k), ("v", v, self.head_dim_v)] {
+            let expected = match qkv_format {
+                QkvFormat::Thd => [t, h, d, 1],
+                QkvFormat::Bshd => [batch, s, h, d],
+                QkvFormat::Sbhd => [s, batch, h, d],
+            };
+            if tensor.len() != expected.iter().product::<usize>() {
+                let rank = if qkv_format == QkvFormat::Thd { 3 } else { 4 };
+                return Err(CacheError::ShapeMismatch {
+                    arg,
+                    expected: expected[..rank].to_vec(),
+                    got: tensor.len(),
+                });
+            }
+        }
+        let p = self.layer_pool[layer];
+        let layout = layout_of(
+            &self.pools[p],
+            plan,
+            p,
+            h,
+            self.head_dim_k,
+            self.head_dim_v,
+        );
+        let Some((k_cache, v_cache)) = self.storage.layer_mut::<T>(layer) else {
+            unreachable!("dtype checked above");
+        };
+        let kv_step = KvStep {
+            format: qkv_format,
+            cu_seqlens: &plan.cu_seqlens_q,
+            max_seqlen: s,
+        };
+        save_kv_cpu_reusing(k, v, k_cache, v_cache, &layout, &kv_step, &mut self.save_scratch)?;
+        self.view(layer)
+    }
+
+    /// The view of `layer` for the planned step, without saving anything
+    /// (what [`step`](Self::step) returns).
+    ///
+    /// `k_cache: [num_pages, page_size, h_kv, d_k]`, `v_cache: [.., d_v]`,
+    /// `layout.page_table: [b, max_pages_per_seq]` (this step's width),
+    /// `layout.cache_seqlens: [b]`, `layout.ring_len` set on sliding-window
+    /// layers.
+    /// Errors: no step planned, `layer` out of range, `T` not the cache dtype.
+    pub fn view<T: Element>(&self, layer: usize) -> Result<KvCacheView<'_, T>, CacheError> {
+        self.check_layer(layer)?;
+        self.check_dtype::<T>("T")?;
+        let plan = self.plan.as_ref().ok_or(CacheError::NoStep)?;
+        let p = self.layer_pool[layer];
+        let layout = layout_of(
+            &self.pools[p],
+            plan,
+            p,
+            self.num_heads_kv,
+            self.head_dim_k,
+            self.head_dim_v,
+        );
+        let Some((k_cache, v_cache)) = self.storage.layer::<T>(layer) else {
+            unreachable!("dtype checked above");
+        };
+        Ok(KvCacheView {
+            k_cache,
+            v_cache,
+            layout,
+        })
+    }
+
+    /// Bytes of K and V storage allocated, over all layers.
+    pub fn memory_allocated(&self) -> usize {
+        self.storage.elements() * self.dtype.size_in_bytes()
+    }
+}
+
+impl<S: KvStorage> InferenceParams<S> {
+    /// An empty cache of `num_layers` full-attention layers over `storage`,
+    /// which is allocated here through [`KvStorage::allocate`].
+    ///
+    /// Errors: any size 0, a paged `page_size` or `total_num_pages` of 0,
+    /// `max_batch_size * max_seqlen` or `total_num_pages` above `i32::MAX`
+    /// (cu_seqlens and page ids are i32), storage size overflowing usize.
+    pub fn with_storage(
+        max_batch_size: usize,
+        max_seqlen: usize,
+        num_layers: usize,
+        num_heads_kv: usize,
+        head_dim_k: usize,
+        head_dim_v: usize,
+        dtype: DType,
+        layout: CacheLayout,
+        storage: S,
     ) -> Result<Self, CacheError> {
         for (arg, value) in [
             ("max_batch_size", max_batch_size),
@@ -195,16 +416,16 @@ impl InferenceParams {
             windows: vec![None; num_layers],
             layer_pool: Vec::new(),
             pools: Vec::new(),
+            prefix: None,
             sequences: BTreeMap::new(),
             plan: None,
-            k_cache: Vec::new(),
-            v_cache: Vec::new(),
+            storage,
+            save_scratch: Vec::new(),
         };
         params.rebuild_pools();
-        let pool = params.pools[0].clone();
-        let (k_len, v_len) = params.storage_lens(&pool)?;
-        params.k_cache = vec![Storage::zeros(dtype, k_len); num_layers];
-        params.v_cache = vec![Storage::zeros(dtype, v_len); num_layers];
+        for layer in 0..num_layers {
+            params.allocate_layer(layer)?;
+        }
         Ok(params)
     }
 
@@ -225,7 +446,8 @@ impl InferenceParams {
     /// rings of 1024 rows, so the cache costs
     /// `(5 * 1024 + 32768) / (6 * 32768) = 0.19` of a full one (the limit is
     /// 1/6, the global layers). If the ring would be as long as a full layer,
-    /// the layer keeps full storage and no step limit applies.
+    /// the layer keeps full storage and no step limit applies. A cache with
+    /// a ring shares no prefixes.
     ///
     /// Then `pre_step` refuses steps longer than `max_step_len`.
     /// Errors: the cache holds sequences, `layer` out of range, `window` or
@@ -249,21 +471,17 @@ impl InferenceParams {
         if max_step_len == 0 {
             return Err(invalid("max_step_len", "must be at least 1"));
         }
-        let mut next = self.clone_config();
-        next.windows[layer] = Some(SlidingWindow {
+        let old = (self.windows.clone(), self.layer_pool.clone(), self.pools.clone(), self.prefix.clone());
+        self.windows[layer] = Some(SlidingWindow {
             window,
             max_step_len,
         });
-        next.rebuild_pools();
-        let pool = next.pools[next.layer_pool[layer]].clone();
-        let (k_len, v_len) = next.storage_lens(&pool)?;
-        // Validated: commit.
-        self.windows = next.windows;
-        self.layer_pool = next.layer_pool;
-        self.pools = next.pools;
+        self.rebuild_pools();
+        if let Err(e) = self.allocate_layer(layer) {
+            (self.windows, self.layer_pool, self.pools, self.prefix) = old;
+            return Err(e);
+        }
         self.plan = None;
-        self.k_cache[layer] = Storage::zeros(self.dtype, k_len);
-        self.v_cache[layer] = Storage::zeros(self.dtype, v_len);
         Ok(())
     }
 
@@ -276,9 +494,11 @@ impl InferenceParams {
     /// `start_positions[b]` = tokens cached before the step,
     /// `cache_seqlens[b] = start_positions[b] + step_len[b]`,
     /// `cu_seqlens_kv = [0, cumsum(cache_seqlens)]`, and pages covering the
-    /// new positions are allocated. Example: a new sequence of 3 tokens and
-    /// a sequence with 5 cached decoding 1 give `cu_seqlens_q = [0, 3, 4]`,
-    /// `start_positions = [0, 5]`, `cu_seqlens_kv = [0, 3, 9]`.
+    /// new positions are allocated (a shared or registered page about to be
+    /// written is first copied to a page of the sequence's own). Example: a
+    /// new sequence of 3 tokens and a sequence with 5 cached decoding 1 give
+    /// `cu_seqlens_q = [0, 3, 4]`, `start_positions = [0, 5]`,
+    /// `cu_seqlens_kv = [0, 3, 9]`.
     ///
     /// Errors (nothing changes): more than `max_batch_size` entries, a
     /// repeated `seq_id`, `step_len` 0, a sequence growing past
@@ -337,10 +557,7 @@ impl InferenceParams {
         for (p, pool) in self.pools.iter().enumerate() {
             let pages_needed: usize = steps
                 .iter()
-                .map(|&(seq_id, step_len)| {
-                    let held = self.sequences.get(&seq_id).map_or(0, |s| s.pages[p].len());
-                    pool.pages_for(self.cached_tokens(seq_id) + step_len) - held
-                })
+                .map(|&(seq_id, step_len)| self.pages_needed(p, seq_id, step_len))
                 .sum();
             if pages_needed > pool.pages_free() {
                 return Err(CacheError::CacheFull {
@@ -352,36 +569,57 @@ impl InferenceParams {
             }
         }
 
-        // Validated: commit.
-        let batch = steps.len();
-        let mut plan = StepPlan {
-            seq_ids: Vec::with_capacity(batch),
-            cu_seqlens_q: vec![0],
-            cu_seqlens_kv: vec![0],
-            start_positions: Vec::with_capacity(batch),
-            cache_seqlens: Vec::with_capacity(batch),
-            max_seqlen_q: 0,
-            max_seqlen_kv: 0,
-            page_tables: self
-                .pools
-                .iter()
-                .map(|pool| vec![0; batch * pool.max_pages_per_seq])
-                .collect(),
-        };
+        // Validated: commit. Reuse the last plan's buffers when no layer
+        // still holds it.
         let num_pools = self.pools.len();
-        for (b, &(seq_id, step_len)) in steps.iter().enumerate() {
+        let mut plan = self
+            .plan
+            .take()
+            .and_then(|a| Arc::try_unwrap(a).ok())
+            .unwrap_or_default();
+        plan.clear(num_pools);
+        for &(seq_id, step_len) in steps {
             let seq = self.sequences.entry(seq_id).or_insert_with(|| Sequence {
                 cached: 0,
                 pages: vec![Vec::new(); num_pools],
+                keyed_pages: 0,
+                last_key: 0,
             });
             let start = seq.cached;
             seq.cached += step_len;
             for (p, pool) in self.pools.iter_mut().enumerate() {
-                pool.grow(&mut seq.pages[p], pool.pages_for(seq.cached));
-                let row = &mut plan.page_tables[p][b * pool.max_pages_per_seq..];
-                row[..seq.pages[p].len()].copy_from_slice(&seq.pages[p]);
+                let pages = &mut seq.pages[p];
+                // Copy-on-write: the page the step starts writing in, when
+                // another sequence holds it or the prefix index names it.
+                if pool.ring_len.is_none() && start % pool.page_size != 0 {
+                    let slot = start / pool.page_size;
+                    let old = pages[slot];
+                    let registered = p == 0 && self.prefix.as_ref().is_some_and(|ix| ix.is_registered(old));
+                    if pool.refs(old) > 1 || registered {
+                        let (new, evicted) = pool.take();
+                        if let (Some(e), Some(ix)) = (evicted, self.prefix.as_mut()) {
+                            ix.remove(e);
+                        }
+                        let ps = pool.page_size;
+                        for (layer, _) in self.layer_pool.iter().enumerate().filter(|(_, &q)| q == p) {
+                            self.storage.copy_rows(layer, old as usize * ps, new as usize * ps, ps);
+                        }
+                        pool.unshare(old, registered);
+                        pages[slot] = new;
+                    }
+                }
+                let need = pool.pages_for(seq.cached);
+                while pages.len() < need {
+                    let (page, evicted) = pool.take();
+                    if let (Some(e), Some(ix)) = (evicted, self.prefix.as_mut()) {
+                        ix.remove(e);
+                    }
+                    pages.push(page);
+                }
+                plan.widths[p] = plan.widths[p].max(pages.len());
             }
             plan.seq_ids.push(seq_id);
+            let b = plan.seq_ids.len() - 1;
             plan.cu_seqlens_q
                 .push(plan.cu_seqlens_q[b] + step_len as i32);
             plan.cu_seqlens_kv
@@ -391,116 +629,158 @@ impl InferenceParams {
             plan.max_seqlen_q = plan.max_seqlen_q.max(step_len);
             plan.max_seqlen_kv = plan.max_seqlen_kv.max(seq.cached);
         }
-        self.plan = Some(plan);
+        for p in 0..num_pools {
+            let width = plan.widths[p];
+            let table = &mut plan.page_tables[p];
+            table.clear();
+            table.resize(steps.len() * width, 0);
+            for (b, &(seq_id, _)) in steps.iter().enumerate() {
+                let pages = &self.sequences[&seq_id].pages[p];
+                table[b * width..][..pages.len()].copy_from_slice(pages);
+            }
+        }
+        self.plan = Some(Arc::new(plan));
         Ok(())
     }
 
-    /// Saves this step's keys and values of `layer` and returns the view
-    /// attention reads.
+    /// Pages of pool `p` that `(seq_id, step_len)` takes: new pages for the
+    /// new positions, plus one for a copy-on-write.
+    fn pages_needed(&self, p: usize, seq_id: u64, step_len: usize) -> usize {
+        let pool = &self.pools[p];
+        let Some(seq) = self.sequences.get(&seq_id) else {
+            return pool.pages_for(step_len);
+        };
+        let held = seq.pages[p].len();
+        let grow = pool.pages_for(seq.cached + step_len) - held;
+        let cow = pool.ring_len.is_none() && seq.cached % pool.page_size != 0 && {
+            let old = seq.pages[p][seq.cached / pool.page_size];
+            pool.refs(old) > 1
+                || (p == 0 && self.prefix.as_ref().is_some_and(|ix| ix.is_registered(old)))
+        };
+        grow + usize::from(cow)
+    }
+
+    /// The plan of the last successful `pre_step` (`None` before the first,
+    /// and after a `release` of one of its sequences). A shared handle: hold
+    /// it across the layers of a step; drop it before the next `pre_step` so
+    /// that its buffers are reused.
+    pub fn plan(&self) -> Option<Arc<StepPlan>> {
+        self.plan.clone()
+    }
+
+    /// Whether this cache shares prefixes: paged, and no layer keeps a
+    /// sliding-window ring (a ring overwrites its pages as it turns).
+    pub fn prefix_sharing(&self) -> bool {
+        self.prefix.is_some()
+    }
+
+    /// Starts sequence `seq_id` on the longest run of registered full pages
+    /// that `tokens` begins with, covering at most `max_tokens` tokens, and
+    /// returns how many tokens it starts with cached (0 without prefix
+    /// sharing, or when nothing matches: the sequence is then simply
+    /// empty). Call it before the sequence's first `pre_step`; pass
+    /// `max_tokens = tokens.len() - 1` so that at least one token is
+    /// computed (its logits are needed). When `max_tokens` ends inside a
+    /// shared page, that page is copied on the first write.
     ///
-    /// `k: [.., h_kv, d_k]`, `v: [.., h_kv, d_v]` in `qkv_format`:
-    /// thd `[t, h, d]` with `t = cu_seqlens_q[b]`; bshd `[b, max_seqlen_q, h, d]`;
-    /// sbhd `[max_seqlen_q, b, h, d]` (padding rows are ignored). Token `i`
-    /// of sequence `b` is stored at position `start_positions[b] + i`.
-    ///
-    /// Saving is te-kernels' [`save_kv_cpu`].
-    ///
-    /// Errors (nothing written): no step planned, `layer` out of range, `T`
-    /// not the cache dtype, `k` or `v` of the wrong length.
-    pub fn step<T: Element>(
+    /// Errors (nothing changes): `seq_id` already held, the cache already
+    /// holding `max_batch_size` sequences.
+    pub fn attach_prefix(
         &mut self,
-        layer: usize,
-        k: &[T],
-        v: &[T],
-        qkv_format: QkvFormat,
-    ) -> Result<KvCacheView<'_, T>, CacheError> {
-        self.check_layer(layer)?;
-        self.check_dtype::<T>("k")?;
-        let plan = self.plan.as_ref().ok_or(CacheError::NoStep)?;
-        let batch = plan.seq_ids.len();
-        let s = plan.max_seqlen_q;
-        let t = plan.cu_seqlens_q[batch] as usize;
-        let h = self.num_heads_kv;
-        for (arg, tensor, d) in [("k", k, self.head_dim_k), ("v", v, self.head_dim_v)] {
-            let expected = match qkv_format {
-                QkvFormat::Thd => vec![t, h, d],
-                QkvFormat::Bshd => vec![batch, s, h, d],
-                QkvFormat::Sbhd => vec![s, batch, h, d],
-            };
-            if tensor.len() != expected.iter().product::<usize>() {
-                return Err(CacheError::ShapeMismatch {
-                    arg,
-                    expected,
-                    got: tensor.len(),
-                });
+        seq_id: u64,
+        tokens: &[u32],
+        max_tokens: usize,
+    ) -> Result<usize, CacheError> {
+        if self.sequences.contains_key(&seq_id) {
+            return Err(CacheError::DuplicateSequence { seq_id });
+        }
+        if self.sequences.len() == self.max_batch_size {
+            return Err(CacheError::TooManySequences {
+                seq_id,
+                live: self.sequences.len(),
+                max_batch_size: self.max_batch_size,
+            });
+        }
+        let num_pools = self.pools.len();
+        let mut seq = Sequence {
+            cached: 0,
+            pages: vec![Vec::new(); num_pools],
+            keyed_pages: 0,
+            last_key: 0,
+        };
+        if let Some(ix) = &self.prefix {
+            let pool = &mut self.pools[0];
+            let ps = pool.page_size;
+            let limit = max_tokens.min(tokens.len()).min(self.max_seqlen);
+            let candidates = (tokens.len() / ps).min(limit.div_ceil(ps));
+            let mut key = 0u128;
+            for page_tokens in tokens.chunks_exact(ps).take(candidates) {
+                key = page_key(key, page_tokens);
+                let Some(page) = ix.get(key) else { break };
+                pool.share(page);
+                seq.pages[0].push(page);
+                if seq.pages[0].len() * ps <= limit {
+                    // Wholly cached: the sequence's key chain covers it.
+                    seq.keyed_pages = seq.pages[0].len();
+                    seq.last_key = key;
+                }
             }
+            seq.cached = (seq.pages[0].len() * ps).min(limit);
         }
-        let pool = &self.pools[self.layer_pool[layer]];
-        let layout = layout_of(
-            pool,
-            plan,
-            self.layer_pool[layer],
-            h,
-            self.head_dim_k,
-            self.head_dim_v,
-        );
-        let (k_cache, v_cache) = (&mut self.k_cache[layer], &mut self.v_cache[layer]);
-        let (Some(k_cache), Some(v_cache)) = (k_cache.as_mut_slice(), v_cache.as_mut_slice())
-        else {
-            unreachable!("dtype checked above");
-        };
-        let kv_step = KvStep {
-            format: qkv_format,
-            cu_seqlens: &plan.cu_seqlens_q,
-            max_seqlen: s,
-        };
-        save_kv_cpu(k, v, k_cache, v_cache, &layout, &kv_step)?;
-        self.view(layer)
+        let hit = seq.cached;
+        self.sequences.insert(seq_id, seq);
+        Ok(hit)
     }
 
-    /// The view of `layer` for the planned step, without saving anything
-    /// (what [`step`](Self::step) returns).
+    /// Registers the full pages of `seq_id` that hold `tokens[..cached]`
+    /// (`tokens` = the sequence's tokens so far, at least
+    /// `cached_tokens(seq_id)` of them) in the prefix index, so later
+    /// sequences starting with the same tokens can share them. Pages already
+    /// registered are skipped; a no-op without prefix sharing.
     ///
-    /// `k_cache: [num_pages, page_size, h_kv, d_k]`, `v_cache: [.., d_v]`,
-    /// `layout.page_table: [b, max_pages_per_seq]`, `layout.cache_seqlens:
-    /// [b]`, `layout.ring_len` set on sliding-window layers.
-    /// Errors: no step planned, `layer` out of range, `T` not the cache dtype.
-    pub fn view<T: Element>(&self, layer: usize) -> Result<KvCacheView<'_, T>, CacheError> {
-        self.check_layer(layer)?;
-        self.check_dtype::<T>("T")?;
-        let plan = self.plan.as_ref().ok_or(CacheError::NoStep)?;
-        let p = self.layer_pool[layer];
-        let layout = layout_of(
-            &self.pools[p],
-            plan,
-            p,
-            self.num_heads_kv,
-            self.head_dim_k,
-            self.head_dim_v,
-        );
-        match (
-            self.k_cache[layer].as_slice(),
-            self.v_cache[layer].as_slice(),
-        ) {
-            (Some(k_cache), Some(v_cache)) => Ok(KvCacheView {
-                k_cache,
-                v_cache,
-                layout,
-            }),
-            _ => unreachable!("dtype checked above"),
+    /// Errors: unknown `seq_id`, `tokens` shorter than the cached tokens.
+    pub fn register_prefix(&mut self, seq_id: u64, tokens: &[u32]) -> Result<(), CacheError> {
+        let seq = self
+            .sequences
+            .get_mut(&seq_id)
+            .ok_or(CacheError::UnknownSequence { seq_id })?;
+        if tokens.len() < seq.cached {
+            return Err(invalid(
+                "tokens",
+                format!(
+                    "sequence {seq_id} has {} cached tokens, {} tokens given",
+                    seq.cached,
+                    tokens.len()
+                ),
+            ));
         }
+        let Some(ix) = self.prefix.as_mut() else {
+            return Ok(());
+        };
+        let ps = self.pools[0].page_size;
+        for i in seq.keyed_pages..seq.cached / ps {
+            let key = page_key(seq.last_key, &tokens[i * ps..(i + 1) * ps]);
+            ix.insert(key, seq.pages[0][i]);
+            seq.last_key = key;
+            seq.keyed_pages = i + 1;
+        }
+        Ok(())
     }
 
-    /// Ends sequence `seq_id` and returns its pages. If it is part of the
-    /// planned step, the plan is dropped (call `pre_step` again).
+    /// Ends sequence `seq_id` and lets go of its pages (registered ones stay
+    /// cached for prefix reuse). If it is part of the planned step, the plan
+    /// is dropped (call `pre_step` again).
     /// Errors: unknown `seq_id`.
     pub fn release(&mut self, seq_id: u64) -> Result<(), CacheError> {
         let seq = self
             .sequences
             .remove(&seq_id)
             .ok_or(CacheError::UnknownSequence { seq_id })?;
-        for (pool, pages) in self.pools.iter_mut().zip(&seq.pages) {
-            pool.give_back(pages);
+        for (p, (pool, pages)) in self.pools.iter_mut().zip(&seq.pages).enumerate() {
+            for &page in pages.iter().rev() {
+                let keep = p == 0 && self.prefix.as_ref().is_some_and(|ix| ix.is_registered(page));
+                pool.unshare(page, keep);
+            }
         }
         if self
             .plan
@@ -510,6 +790,20 @@ impl InferenceParams {
             self.plan = None;
         }
         Ok(())
+    }
+
+    /// Drops every cached (unreferenced, registered) page from the prefix
+    /// index, so they become free.
+    pub fn clear_prefix_cache(&mut self) {
+        if let Some(ix) = self.prefix.as_mut() {
+            let pool = &mut self.pools[0];
+            for page in 0..pool.num_pages as i32 {
+                if pool.refs(page) == 0 && ix.is_registered(page) {
+                    ix.remove(page);
+                    pool.uncache(page);
+                }
+            }
+        }
     }
 
     /// Starts sequence `dst` as a copy of `src` (shared prompt for parallel
@@ -547,28 +841,91 @@ impl InferenceParams {
         }
 
         // Validated: commit.
+        let source = source.clone();
         let mut copy = Sequence {
             cached: source.cached,
             pages: Vec::with_capacity(self.pools.len()),
+            keyed_pages: 0,
+            last_key: 0,
         };
-        for (pool, src_pages) in self.pools.iter_mut().zip(&source.pages) {
+        for pool in self.pools.iter_mut() {
             let mut pages = Vec::new();
-            pool.grow(&mut pages, src_pages.len());
+            for _ in 0..source.pages[copy.pages.len()].len() {
+                let (page, evicted) = pool.take();
+                if let (Some(e), Some(ix)) = (evicted, self.prefix.as_mut()) {
+                    ix.remove(e);
+                }
+                pages.push(page);
+            }
             copy.pages.push(pages);
         }
-        let (row_k, row_v) = (
-            self.num_heads_kv * self.head_dim_k,
-            self.num_heads_kv * self.head_dim_v,
-        );
         for (layer, &p) in self.layer_pool.iter().enumerate() {
             let ps = self.pools[p].page_size;
             for (&from, &to) in source.pages[p].iter().zip(&copy.pages[p]) {
-                let (from, to) = (from as usize * ps, to as usize * ps);
-                self.k_cache[layer].copy_rows(from, to, ps, row_k);
-                self.v_cache[layer].copy_rows(from, to, ps, row_v);
+                self.storage
+                    .copy_rows(layer, from as usize * ps, to as usize * ps, ps);
             }
         }
         self.sequences.insert(dst, copy);
+        Ok(())
+    }
+
+    /// The storage.
+    pub fn storage(&self) -> &S {
+        &self.storage
+    }
+
+    /// Pages kept for prefix reuse that no sequence holds (counted as free
+    /// by [`pages_free`](Self::pages_free)).
+    pub fn pages_cached(&self) -> usize {
+        self.prefix.as_ref().map_or(0, |_| self.pools[0].pages_cached())
+    }
+
+    /// Sequences holding physical `page` of `layer`'s pool (its reference
+    /// count). Errors: `layer` out of range; panics on a page id outside the
+    /// pool.
+    pub fn page_refs(&self, layer: usize, page: i32) -> Result<u32, CacheError> {
+        self.check_layer(layer)?;
+        Ok(self.pools[self.layer_pool[layer]].refs(page))
+    }
+
+    /// Checks the internal invariants: every page referenced, cached or free
+    /// exactly once; reference counts equal the number of sequences holding
+    /// each page; cached pages registered. For tests.
+    pub fn check_consistency(&self) -> Result<(), String> {
+        for (p, pool) in self.pools.iter().enumerate() {
+            pool.check().map_err(|e| format!("pool {p}: {e}"))?;
+            let mut refs = vec![0u32; pool.num_pages];
+            for seq in self.sequences.values() {
+                for &page in &seq.pages[p] {
+                    refs[page as usize] += 1;
+                }
+                if seq.pages[p].len() != pool.pages_for(seq.cached) {
+                    return Err(format!("pool {p}: a sequence holds the wrong number of pages"));
+                }
+            }
+            for (page, &r) in refs.iter().enumerate() {
+                if pool.refs(page as i32) != r {
+                    return Err(format!(
+                        "pool {p}: page {page} has {} references, {r} sequences hold it",
+                        pool.refs(page as i32)
+                    ));
+                }
+            }
+        }
+        if let Some(ix) = &self.prefix {
+            let pool = &self.pools[0];
+            let registered = (0..pool.num_pages as i32).filter(|&q| ix.is_registered(q)).count();
+            if registered != ix.len() {
+                return Err("prefix index and page keys disagree".into());
+            }
+            let unregistered_cached = (0..pool.num_pages as i32)
+                .filter(|&q| pool.refs(q) == 0 && !ix.is_registered(q))
+                .count();
+            if unregistered_cached + pool.pages_cached() != pool.num_pages - pool.pages_in_use() {
+                return Err("a cached page is not registered".into());
+            }
+        }
         Ok(())
     }
 
@@ -664,17 +1021,6 @@ impl InferenceParams {
             .sum()
     }
 
-    /// Bytes of K and V storage allocated, over all layers.
-    pub fn memory_allocated(&self) -> usize {
-        let elems: usize = self
-            .k_cache
-            .iter()
-            .chain(&self.v_cache)
-            .map(Storage::len)
-            .sum();
-        elems * self.dtype.size_in_bytes()
-    }
-
     /// Sequences `b` in the planned step (0 if none).
     pub fn batch_size(&self) -> usize {
         self.plan.as_ref().map_or(0, |p| p.seq_ids.len())
@@ -748,20 +1094,6 @@ impl InferenceParams {
         }
     }
 
-    /// A copy of the configuration without storage or sequences.
-    fn clone_config(&self) -> Self {
-        Self {
-            windows: self.windows.clone(),
-            layer_pool: self.layer_pool.clone(),
-            pools: self.pools.clone(),
-            sequences: BTreeMap::new(),
-            plan: None,
-            k_cache: Vec::new(),
-            v_cache: Vec::new(),
-            ..*self
-        }
-    }
-
     /// The pool geometry of a full-attention layer.
     fn full_pool(&self) -> PagePool {
         match self.layout {
@@ -808,8 +1140,8 @@ impl InferenceParams {
         }
     }
 
-    /// Recomputes `pools` (one per distinct geometry, first use first) and
-    /// `layer_pool` from `windows`; all pages free.
+    /// Recomputes `pools` (one per distinct geometry, first use first),
+    /// `layer_pool` and the prefix index from `windows`; all pages free.
     fn rebuild_pools(&mut self) {
         let mut pools: Vec<PagePool> = Vec::new();
         let mut layer_pool = Vec::with_capacity(self.windows.len());
@@ -818,7 +1150,7 @@ impl InferenceParams {
                 Some(w) => self.window_pool(*w),
                 None => self.full_pool(),
             };
-            let index = match pools.iter().position(|q| *q == pool) {
+            let index = match pools.iter().position(|q| q.same_geometry(&pool)) {
                 Some(i) => i,
                 None => {
                     pools.push(pool);
@@ -827,19 +1159,23 @@ impl InferenceParams {
             };
             layer_pool.push(index);
         }
+        let paged = matches!(self.layout, CacheLayout::Paged { .. });
+        self.prefix = (paged && pools.len() == 1 && pools[0].ring_len.is_none())
+            .then(|| PrefixIndex::new(pools[0].num_pages));
         self.pools = pools;
         self.layer_pool = layer_pool;
     }
 
-    /// Elements of one layer's K and V storage in `pool`.
-    fn storage_lens(&self, pool: &PagePool) -> Result<(usize, usize), CacheError> {
-        let rows = pool.num_pages.checked_mul(pool.page_size);
-        let len = |d: usize| {
-            rows.and_then(|r| r.checked_mul(self.num_heads_kv))
-                .and_then(|r| r.checked_mul(d))
-                .ok_or_else(|| invalid("total_num_pages", "cache size overflows usize"))
-        };
-        Ok((len(self.head_dim_k)?, len(self.head_dim_v)?))
+    /// Allocates `layer`'s storage for its pool.
+    fn allocate_layer(&mut self, layer: usize) -> Result<(), CacheError> {
+        let pool = &self.pools[self.layer_pool[layer]];
+        let rows = pool
+            .num_pages
+            .checked_mul(pool.page_size)
+            .ok_or_else(|| invalid("total_num_pages", "cache size overflows usize"))?;
+        let h = self.num_heads_kv;
+        self.storage
+            .allocate(layer, rows, h * self.head_dim_k, h * self.head_dim_v)
     }
 }
 
@@ -858,7 +1194,7 @@ fn layout_of<'a>(
         head_dim_v,
         page_size: pool.page_size,
         page_table: &plan.page_tables[p],
-        max_pages_per_seq: pool.max_pages_per_seq,
+        max_pages_per_seq: plan.widths[p],
         cache_seqlens: &plan.cache_seqlens,
         ring_len: pool.ring_len,
     }

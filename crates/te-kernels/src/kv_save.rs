@@ -77,7 +77,8 @@ pub(crate) fn plan_save(
     v_cache_len: usize,
     layout: &KvCacheLayout,
     step: &KvStep,
-) -> Result<Vec<(u64, u64)>, KernelError> {
+    pairs: &mut Vec<(u64, u64)>,
+) -> Result<(), KernelError> {
     let bad = |arg, reason: String| KernelError::InvalidArgument {
         op: OP,
         arg,
@@ -149,7 +150,8 @@ pub(crate) fn plan_save(
             ));
         }
     }
-    let mut pairs = Vec::with_capacity(rows);
+    pairs.clear();
+    pairs.reserve(rows);
     for b in 0..batch {
         let step_len = (step.cu_seqlens[b + 1] - step.cu_seqlens[b]) as usize;
         if step.format != QkvFormat::Thd && step_len > step.max_seqlen {
@@ -208,7 +210,7 @@ pub(crate) fn plan_save(
             ),
         ));
     }
-    Ok(pairs)
+    Ok(())
 }
 
 /// Copies the step's new keys and values into the cache.
@@ -232,7 +234,23 @@ pub fn save_kv_cpu<T: Element>(
     layout: &KvCacheLayout,
     step: &KvStep,
 ) -> Result<(), KernelError> {
-    let pairs = plan_save(k.len(), v.len(), k_cache.len(), v_cache.len(), layout, step)?;
+    save_kv_cpu_reusing(k, v, k_cache, v_cache, layout, step, &mut Vec::new())
+}
+
+/// [`save_kv_cpu`] with the (source row, cache row) pairs it plans kept in
+/// `pairs`, a buffer the caller reuses across calls so that a step
+/// allocates nothing once `pairs` has grown to the step's token count.
+/// Same arguments, errors and effect as [`save_kv_cpu`].
+pub fn save_kv_cpu_reusing<T: Element>(
+    k: &[T],
+    v: &[T],
+    k_cache: &mut [T],
+    v_cache: &mut [T],
+    layout: &KvCacheLayout,
+    step: &KvStep,
+    pairs: &mut Vec<(u64, u64)>,
+) -> Result<(), KernelError> {
+    plan_save(k.len(), v.len(), k_cache.len(), v_cache.len(), layout, step, pairs)?;
     let rk = layout.num_heads_kv * layout.head_dim_k;
     let rv = layout.num_heads_kv * layout.head_dim_v;
     let (kc, vc) = (

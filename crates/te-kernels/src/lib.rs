@@ -34,7 +34,9 @@ pub mod rope;
 pub use element::{DType, Element};
 pub use error::KernelError;
 pub use format::QkvFormat;
-pub use kv_save::{convert_bshd_to_thd, convert_thd_to_bshd, save_kv_cpu, ConvertArgs, KvStep};
+pub use kv_save::{
+    convert_bshd_to_thd, convert_thd_to_bshd, save_kv_cpu, save_kv_cpu_reusing, ConvertArgs, KvStep,
+};
 pub use kv_view::{KvCacheLayout, KvCacheView};
 pub use rope::{
     apply_rope_cpu, apply_rope_cpu_out, RopeArgs, RopeConvention, RopeFreqs, RopeScaling,

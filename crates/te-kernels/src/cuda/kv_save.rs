@@ -56,7 +56,8 @@ pub fn save_kv_cuda<T: CudaElement>(
     layout: &KvCacheLayout,
     step: &KvStep,
 ) -> Result<(), KernelError> {
-    let pairs = plan_save(k.len(), v.len(), k_cache.len(), v_cache.len(), layout, step)?;
+    let mut pairs = Vec::new();
+    plan_save(k.len(), v.len(), k_cache.len(), v_cache.len(), layout, step, &mut pairs)?;
     if pairs.is_empty() {
         return Ok(());
     }

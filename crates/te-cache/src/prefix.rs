@@ -1,0 +1,75 @@
+//! The prefix index: which cached page holds the keys and values of a given
+//! run of tokens at given positions, so that prompts sharing a prefix store
+//! it once.
+//!
+//! A page's key chains the key of the page before it with the page's own
+//! tokens: `key_i = H(key_{i-1}, tokens[i * page_size .. (i + 1) * page_size])`,
+//! `key_{-1} = 0`, so a key names the whole prefix up to the end of its page
+//! (hence the positions too). `H` is 128 bits (two SipHash-1-3 states with
+//! different domains): two different prefixes collide with probability
+//! about `n² / 2^129` for `n` registered pages.
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+
+/// The chained key of one full page (see the module doc).
+pub(crate) fn page_key(parent: u128, tokens: &[u32]) -> u128 {
+    let half = |domain: u8| {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        domain.hash(&mut h);
+        parent.hash(&mut h);
+        tokens.hash(&mut h);
+        h.finish() as u128
+    };
+    (half(1) << 64) | half(2)
+}
+
+/// Registered full pages of one pool.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct PrefixIndex {
+    by_key: HashMap<u128, i32>,
+    /// `[num_pages]` the key a page is registered under.
+    key_of: Vec<Option<u128>>,
+}
+
+impl PrefixIndex {
+    pub fn new(num_pages: usize) -> Self {
+        Self {
+            by_key: HashMap::new(),
+            key_of: vec![None; num_pages],
+        }
+    }
+
+    /// The page registered under `key`.
+    pub fn get(&self, key: u128) -> Option<i32> {
+        self.by_key.get(&key).copied()
+    }
+
+    /// Whether `page` is registered (its content must not change).
+    pub fn is_registered(&self, page: i32) -> bool {
+        self.key_of[page as usize].is_some()
+    }
+
+    /// Registers `page` under `key` unless the key already has a page (two
+    /// sequences computed the same prefix at once: the first one stays).
+    pub fn insert(&mut self, key: u128, page: i32) {
+        if self.key_of[page as usize].is_none() {
+            if let std::collections::hash_map::Entry::Vacant(e) = self.by_key.entry(key) {
+                e.insert(page);
+                self.key_of[page as usize] = Some(key);
+            }
+        }
+    }
+
+    /// Forgets `page` (evicted, or about to be overwritten).
+    pub fn remove(&mut self, page: i32) {
+        if let Some(key) = self.key_of[page as usize].take() {
+            self.by_key.remove(&key);
+        }
+    }
+
+    /// Pages registered.
+    pub fn len(&self) -> usize {
+        self.by_key.len()
+    }
+}
