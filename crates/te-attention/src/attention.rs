@@ -275,11 +275,25 @@ pub(crate) struct SeqLens {
 }
 
 /// Everything a device path needs after validation.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub(crate) struct Plan {
     pub seqs: Vec<SeqLens>,
     /// Q rows (units of `h_q * d_qk`): `t_q` for thd, else `b * max_seqlen_q`.
     pub q_rows: usize,
+    /// Per-sequence query and key lengths and first held key, while planning.
+    sq: Vec<usize>,
+    skv: Vec<usize>,
+    first: Vec<usize>,
+}
+
+/// Buffers of [`DotProductAttention::forward_cpu_with`], kept between
+/// calls: the validated plan, the work units and their partial outputs, and
+/// the kernel's scratch. A forward allocates nothing once its workspace has
+/// seen a forward at least as large, so a model's layers can share one.
+#[derive(Default)]
+pub struct AttentionWorkspace {
+    plan: Plan,
+    cpu: crate::cpu::CpuBuffers,
 }
 
 fn lengths_from_cu(
@@ -287,7 +301,8 @@ fn lengths_from_cu(
     cu: Option<&[i32]>,
     batch: usize,
     max_seqlen: Option<usize>,
-) -> Result<Vec<usize>, AttentionError> {
+    out: &mut Vec<usize>,
+) -> Result<(), AttentionError> {
     let cu = cu.ok_or_else(|| AttentionError::InvalidArgument {
         op: OP,
         arg,
@@ -309,8 +324,9 @@ fn lengths_from_cu(
             reason: format!("cu_seqlens[0] = {} must be 0", cu[0]),
         });
     }
-    (0..batch)
-        .map(|b| {
+    out.clear();
+    for b in 0..batch {
+        out.push({
             let len = cu[b + 1] as i64 - cu[b] as i64;
             if len < 0 {
                 return Err(AttentionError::InvalidSeqlens {
@@ -330,9 +346,10 @@ fn lengths_from_cu(
                     });
                 }
             }
-            Ok(len as usize)
-        })
-        .collect()
+            len as usize
+        });
+    }
+    Ok(())
 }
 
 fn check_len(arg: &'static str, got: usize, shape: Vec<usize>) -> Result<(), AttentionError> {
@@ -375,6 +392,21 @@ impl DotProductAttention {
         out_len: usize,
         lse_len: Option<usize>,
     ) -> Result<Plan, AttentionError> {
+        let mut plan = Plan::default();
+        self.plan_into(q_len, kv, meta, out_len, lse_len, &mut plan)?;
+        Ok(plan)
+    }
+
+    /// [`plan`](Self::plan) into `plan`, reusing its buffers.
+    pub(crate) fn plan_into(
+        &self,
+        q_len: usize,
+        kv: &KvLens<'_>,
+        meta: &AttnMetadata<'_>,
+        out_len: usize,
+        lse_len: Option<usize>,
+        plan: &mut Plan,
+    ) -> Result<(), AttentionError> {
         self.validate()?;
         let (b, hq, hkv) = (meta.batch, self.num_attention_heads, self.num_gqa_groups);
         if b > MAX_BATCH {
@@ -389,18 +421,21 @@ impl DotProductAttention {
 
         // Query lengths and the Q / out / lse shapes.
         let q_thd = self.qkv_format == QkvFormat::Thd;
-        let sq: Vec<usize> = if q_thd {
-            lengths_from_cu("cu_seqlens_q", meta.cu_seqlens_q, b, None)?
+        let sq = &mut plan.sq;
+        if q_thd {
+            lengths_from_cu("cu_seqlens_q", meta.cu_seqlens_q, b, None, sq)?;
         } else if mask.is_padding() {
             lengths_from_cu(
                 "cu_seqlens_q",
                 meta.cu_seqlens_q,
                 b,
                 Some(meta.max_seqlen_q),
-            )?
+                sq,
+            )?;
         } else {
-            vec![meta.max_seqlen_q; b]
-        };
+            sq.clear();
+            sq.resize(b, meta.max_seqlen_q);
+        }
         let t_q = if q_thd { sq.iter().sum() } else { 0 };
         let q_shape = |d| shape(self.qkv_format, b, meta.max_seqlen_q, t_q, hq, d);
         check_len("q", q_len, q_shape(dqk))?;
@@ -415,26 +450,30 @@ impl DotProductAttention {
         }
 
         // Key lengths, first held key, and the K/V shapes.
-        let (skv, first): (Vec<usize>, Vec<usize>) = match kv {
+        let (skv, first) = (&mut plan.skv, &mut plan.first);
+        match kv {
             KvLens::Tensors { k, v } => {
                 let kv_thd = self.kv_format == QkvFormat::Thd;
-                let skv = if kv_thd {
-                    lengths_from_cu("cu_seqlens_kv", meta.cu_seqlens_kv, b, None)?
+                if kv_thd {
+                    lengths_from_cu("cu_seqlens_kv", meta.cu_seqlens_kv, b, None, skv)?;
                 } else if mask.is_padding() {
                     lengths_from_cu(
                         "cu_seqlens_kv",
                         meta.cu_seqlens_kv,
                         b,
                         Some(meta.max_seqlen_kv),
-                    )?
+                        skv,
+                    )?;
                 } else {
-                    vec![meta.max_seqlen_kv; b]
-                };
+                    skv.clear();
+                    skv.resize(b, meta.max_seqlen_kv);
+                }
                 let t_kv = if kv_thd { skv.iter().sum() } else { 0 };
                 let kv_shape = |d| shape(self.kv_format, b, meta.max_seqlen_kv, t_kv, hkv, d);
                 check_len("k", *k, kv_shape(dqk))?;
                 check_len("v", *v, kv_shape(dv))?;
-                (skv, vec![0; b])
+                first.clear();
+                first.resize(b, 0);
             }
             KvLens::Cache {
                 k_cache,
@@ -442,20 +481,24 @@ impl DotProductAttention {
                 layout: l,
             } => {
                 self.check_cache(*k_cache, *v_cache, l, b)?;
-                (0..b)
-                    .map(|s| (l.seqlen(s), l.first_held_position(s)))
-                    .unzip()
+                skv.clear();
+                first.clear();
+                for s in 0..b {
+                    skv.push(l.seqlen(s));
+                    first.push(l.first_held_position(s));
+                }
             }
-        };
+        }
 
-        let seqs = (0..b)
-            .map(|s| SeqLens {
-                sq: sq[s],
-                key_range: KeyRange::new(mask, self.window_size, sq[s], skv[s], first[s]),
-            })
-            .collect();
-        let q_rows = q_len / (hq * dqk);
-        Ok(Plan { seqs, q_rows })
+        plan.seqs.clear();
+        for s in 0..b {
+            plan.seqs.push(SeqLens {
+                sq: plan.sq[s],
+                key_range: KeyRange::new(mask, self.window_size, plan.sq[s], plan.skv[s], plan.first[s]),
+            });
+        }
+        plan.q_rows = q_len / (hq * dqk);
+        Ok(())
     }
 
     fn check_cache(
@@ -616,14 +659,30 @@ impl DotProductAttention {
         out: &mut [O],
         lse: Option<&mut [f32]>,
     ) -> Result<(), AttentionError> {
-        let plan = self.plan(
+        self.forward_cpu_with(q, kv, meta, out, lse, &mut AttentionWorkspace::default())
+    }
+
+    /// [`forward_cpu`](Self::forward_cpu) with its buffers kept in `ws`
+    /// (same arguments, result and errors): no allocation once `ws` has
+    /// seen a forward of this size, which is how a model's layers call it.
+    pub fn forward_cpu_with<T: Element, O: Element>(
+        &self,
+        q: &[T],
+        kv: KvInput<'_, T>,
+        meta: &AttnMetadata<'_>,
+        out: &mut [O],
+        lse: Option<&mut [f32]>,
+        ws: &mut AttentionWorkspace,
+    ) -> Result<(), AttentionError> {
+        self.plan_into(
             q.len(),
             &kv.lens(),
             meta,
             out.len(),
             lse.as_ref().map(|l| l.len()),
+            &mut ws.plan,
         )?;
-        crate::cpu::forward(self, &plan, q, kv, meta, out, lse);
+        crate::cpu::forward(self, &ws.plan, q, kv, meta, out, lse, &mut ws.cpu);
         Ok(())
     }
 }

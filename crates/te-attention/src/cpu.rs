@@ -82,14 +82,6 @@ impl Unit {
     }
 }
 
-/// One unit's normalized output `[m, d_v]` and lse `[m]`, rows
-/// `(kv_head - g0) * rows_per_head + (query - i0) * kv_group + head_in_group`.
-struct TileOut {
-    unit: Unit,
-    o: Vec<f32>,
-    lse: Vec<f32>,
-}
-
 /// Per-worker buffers, reused across units.
 #[derive(Default)]
 struct Scratch {
@@ -165,14 +157,17 @@ impl<T: Element> Ctx<'_, T> {
         }
     }
 
-    /// Runs one unit with the widest instruction set the CPU has.
-    fn run(&self, u: Unit, s: &mut Scratch) -> TileOut {
+    /// Runs one unit with the widest instruction set the CPU has, writing
+    /// its normalized output `o: [m, d_v]` and lse `lse: [m]` (rows
+    /// `(kv_head - g0) * rows_per_head + (query - i0) * kv_group +
+    /// head_in_group`).
+    fn run(&self, u: Unit, s: &mut Scratch, o: &mut [f32], lse: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         {
             if std::arch::is_x86_feature_detected!("avx512f") {
                 // SAFETY: the CPU supports AVX-512F (checked just above);
                 // AVX-512F implies AVX2 and FMA.
-                return unsafe { self.run_avx512(u, s) };
+                return unsafe { self.run_avx512(u, s, o, lse) };
             }
             if std::arch::is_x86_feature_detected!("avx2")
                 && std::arch::is_x86_feature_detected!("fma")
@@ -180,27 +175,27 @@ impl<T: Element> Ctx<'_, T> {
             {
                 // SAFETY: the CPU supports AVX2, FMA and F16C (checked just
                 // above).
-                return unsafe { self.run_avx2(u, s) };
+                return unsafe { self.run_avx2(u, s, o, lse) };
             }
         }
         // SAFETY: the portable primitives need no CPU feature.
-        unsafe { self.run_impl::<Portable<false>, false, 4, 8>(u, s) }
+        unsafe { self.run_impl::<Portable<false>, false, 4, 8>(u, s, o, lse) }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx2,fma")]
-    unsafe fn run_avx512(&self, u: Unit, s: &mut Scratch) -> TileOut {
+    unsafe fn run_avx512(&self, u: Unit, s: &mut Scratch, o: &mut [f32], lse: &mut [f32]) {
         // SAFETY: this function is compiled for AVX-512 and its caller
         // checked the CPU.
-        unsafe { self.run_impl::<Avx512, true, 8, 32>(u, s) }
+        unsafe { self.run_impl::<Avx512, true, 8, 32>(u, s, o, lse) }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn run_avx2(&self, u: Unit, s: &mut Scratch) -> TileOut {
+    unsafe fn run_avx2(&self, u: Unit, s: &mut Scratch, o: &mut [f32], lse: &mut [f32]) {
         // SAFETY: this function is compiled for AVX2, FMA and F16C and its
         // caller checked the CPU.
-        unsafe { self.run_impl::<Avx2, true, 4, 16>(u, s) }
+        unsafe { self.run_impl::<Avx2, true, 4, 16>(u, s, o, lse) }
     }
 
     /// One unit; `S`: the decode primitives, `FMA`: compiled with FMA;
@@ -214,7 +209,9 @@ impl<T: Element> Ctx<'_, T> {
         &self,
         u: Unit,
         s: &mut Scratch,
-    ) -> TileOut {
+        o: &mut [f32],
+        lse: &mut [f32],
+    ) {
         let a = self.attn;
         let (hq, hkv, dqk, dv) = (
             a.num_attention_heads,
@@ -259,7 +256,8 @@ impl<T: Element> Ctx<'_, T> {
             }
         }
 
-        let mut o = vec![0f32; m * dv];
+        debug_assert_eq!((o.len(), lse.len()), (m * dv, m));
+        o.fill(0.0);
         s.row_max.clear();
         s.row_max.resize(mp, f32::NEG_INFINITY);
         s.row_sum.clear();
@@ -422,7 +420,7 @@ impl<T: Element> Ctx<'_, T> {
                     |r| &p[r..],
                     mp,
                     |jj| &v_all[v_off[jj] + u.g0 * dv..][..dv],
-                    &mut o,
+                    o,
                     dv,
                     true,
                 );
@@ -430,7 +428,7 @@ impl<T: Element> Ctx<'_, T> {
             j0 += bc as i64;
         }
 
-        let mut lse = vec![f32::NEG_INFINITY; m];
+        lse.fill(f32::NEG_INFINITY);
         for r in 0..m {
             let o_row = &mut o[r * dv..][..dv];
             if s.row_sum[r] > 0.0 {
@@ -441,17 +439,16 @@ impl<T: Element> Ctx<'_, T> {
                 o_row.fill(0.0);
             }
         }
-        TileOut { unit: u, o, lse }
     }
 }
 
 /// The work units of a forward: decode units (every KV head) for
 /// sequences with at most [`DIRECT_MAX_ROWS`] rows per KV head, prefill
 /// units (one KV head, a tile of queries) otherwise.
-fn plan_units(plan: &Plan, attn: &DotProductAttention) -> Vec<Unit> {
+fn plan_units(plan: &Plan, attn: &DotProductAttention, units: &mut Vec<Unit>) {
     let group = attn.kv_group();
     let br = (TARGET_ROWS / group).max(1);
-    let mut units = Vec::new();
+    units.clear();
     for (b, seq) in plan.seqs.iter().enumerate() {
         if seq.sq == 0 {
             continue;
@@ -484,20 +481,19 @@ fn plan_units(plan: &Plan, attn: &DotProductAttention) -> Vec<Unit> {
             }
         }
     }
-    units
 }
 
 /// Splits decode units along their keys until every thread has
 /// [`UNITS_PER_THREAD`] units, pieces of at least [`MIN_SPLIT_KEYS`] keys;
 /// the pieces of one unit stay adjacent (merged in that order).
-fn split_keys(units: Vec<Unit>, plan: &Plan, group: usize) -> Vec<Unit> {
+fn split_keys(units: &mut Vec<Unit>, split: &mut Vec<Unit>, plan: &Plan, group: usize) {
     let target = UNITS_PER_THREAD * rayon::current_num_threads();
     if units.is_empty() || units.len() >= target {
-        return units;
+        return;
     }
     let pieces_per_unit = target.div_ceil(units.len()) as i64;
-    let mut split = Vec::with_capacity(target * 2);
-    for u in units {
+    split.clear();
+    for &u in units.iter() {
         let kr = plan.seqs[u.b].key_range;
         let (lo, hi) = (kr.bounds(u.i0).0, kr.bounds(u.i1 - 1).1);
         let span = hi + 1 - lo;
@@ -515,10 +511,37 @@ fn split_keys(units: Vec<Unit>, plan: &Plan, group: usize) -> Vec<Unit> {
             });
         }
     }
-    split
+    std::mem::swap(units, split);
 }
 
-/// Runs a validated forward (see [`DotProductAttention::forward_cpu`]).
+/// The CPU path's buffers, reused across forwards (see
+/// [`crate::AttentionWorkspace`]).
+#[derive(Default)]
+pub(crate) struct CpuBuffers {
+    units: Vec<Unit>,
+    split: Vec<Unit>,
+    /// `[units + 1]` offsets of each unit's rows in `o` (times d_v) and `lse`.
+    offsets: Vec<usize>,
+    o: Vec<f32>,
+    lse: Vec<f32>,
+    scratch: Scratch,
+}
+
+thread_local! {
+    /// Each rayon worker's scratch, kept between forwards.
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
+
+/// A pointer that may cross threads; each task writes a disjoint range.
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut f32);
+// SAFETY: only used to hand disjoint output ranges to rayon tasks.
+unsafe impl Send for SyncPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SyncPtr {}
+
+/// Runs a validated forward (see [`DotProductAttention::forward_cpu`]);
+/// allocates nothing once `bufs` has grown to the forward's size.
 pub(crate) fn forward<T: Element, O: Element>(
     attn: &DotProductAttention,
     plan: &Plan,
@@ -527,9 +550,10 @@ pub(crate) fn forward<T: Element, O: Element>(
     meta: &AttnMetadata<'_>,
     out: &mut [O],
     lse: Option<&mut [f32]>,
+    bufs: &mut CpuBuffers,
 ) {
     let group = attn.kv_group();
-    let units = plan_units(plan, attn);
+    plan_units(plan, attn, &mut bufs.units);
     let ctx = Ctx {
         attn,
         plan,
@@ -541,7 +565,8 @@ pub(crate) fn forward<T: Element, O: Element>(
     };
     // Multiply-adds: rows x visible keys x (d_qk + d_v), keys bounded by
     // each unit's key span.
-    let macs: usize = units
+    let macs: usize = bufs
+        .units
         .iter()
         .map(|u| {
             let kr = plan.seqs[u.b].key_range;
@@ -549,15 +574,49 @@ pub(crate) fn forward<T: Element, O: Element>(
             (u.g1 - u.g0) * u.rows_per_head(group) * span * (attn.head_dim_qk + attn.head_dim_v)
         })
         .sum();
-    let tiles: Vec<TileOut> = if macs < SERIAL_MACS {
-        let mut s = Scratch::default();
-        units.into_iter().map(|u| ctx.run(u, &mut s)).collect()
+    let serial = macs < SERIAL_MACS;
+    if !serial {
+        split_keys(&mut bufs.units, &mut bufs.split, plan, group);
+    }
+    let dv = attn.head_dim_v;
+    bufs.offsets.clear();
+    bufs.offsets.push(0);
+    for u in &bufs.units {
+        let m = (u.g1 - u.g0) * u.rows_per_head(group);
+        bufs.offsets.push(bufs.offsets.last().unwrap() + m);
+    }
+    let rows = *bufs.offsets.last().unwrap();
+    bufs.o.resize(rows * dv, 0.0);
+    bufs.lse.resize(rows, 0.0);
+    let units = &bufs.units;
+    let offsets = &bufs.offsets;
+    if serial {
+        for (i, &u) in units.iter().enumerate() {
+            let (r0, r1) = (offsets[i], offsets[i + 1]);
+            ctx.run(
+                u,
+                &mut bufs.scratch,
+                &mut bufs.o[r0 * dv..r1 * dv],
+                &mut bufs.lse[r0..r1],
+            );
+        }
     } else {
-        split_keys(units, plan, group)
-            .into_par_iter()
-            .map_init(Scratch::default, |s, u| ctx.run(u, s))
-            .collect()
-    };
+        let (o_ptr, lse_ptr) = (SyncPtr(bufs.o.as_mut_ptr()), SyncPtr(bufs.lse.as_mut_ptr()));
+        units.par_iter().enumerate().for_each(|(i, &u)| {
+            let (o_ptr, lse_ptr) = (o_ptr, lse_ptr);
+            let (r0, r1) = (offsets[i], offsets[i + 1]);
+            // SAFETY: unit i owns rows offsets[i]..offsets[i + 1] of `o`
+            // (times d_v) and `lse`, inside the buffers resized above and
+            // disjoint from every other unit's.
+            let (o, l) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(o_ptr.0.add(r0 * dv), (r1 - r0) * dv),
+                    std::slice::from_raw_parts_mut(lse_ptr.0.add(r0), r1 - r0),
+                )
+            };
+            SCRATCH.with_borrow_mut(|s| ctx.run(u, s, o, l));
+        });
+    }
 
     // Scatter; rows no unit covers (bshd/sbhd padding) stay 0 / -inf.
     let (hq, dv) = (attn.num_attention_heads, attn.head_dim_v);
@@ -566,22 +625,36 @@ pub(crate) fn forward<T: Element, O: Element>(
     if let Some(l) = lse.as_deref_mut() {
         l.fill(f32::NEG_INFINITY);
     }
-    let mut tiles = tiles.into_iter().peekable();
-    while let Some(mut t) = tiles.next() {
-        // Pieces of a split unit: merge their partial results.
-        while let Some(piece) = tiles.next_if(|p| p.unit.same_rows(&t.unit)) {
-            for (r, (o, l)) in piece.o.chunks_exact(dv).zip(&piece.lse).enumerate() {
-                merge_row(&mut t.o[r * dv..][..dv], &mut t.lse[r], o, *l);
+    let mut ui = 0;
+    while ui < units.len() {
+        let u = units[ui];
+        let (r0, r1) = (offsets[ui], offsets[ui + 1]);
+        // Pieces of a split unit: merge their partial results into the first.
+        let mut next = ui + 1;
+        while next < units.len() && units[next].same_rows(&u) {
+            let (p0, p1) = (offsets[next], offsets[next + 1]);
+            let (head, tail) = bufs.o.split_at_mut(p0 * dv);
+            let (lhead, ltail) = bufs.lse.split_at_mut(p0);
+            for r in 0..r1 - r0 {
+                merge_row(
+                    &mut head[(r0 + r) * dv..][..dv],
+                    &mut lhead[r0 + r],
+                    &tail[r * dv..][..dv],
+                    ltail[r],
+                );
             }
+            debug_assert_eq!(p1 - p0, r1 - r0);
+            next += 1;
         }
-        let u = t.unit;
+        ui = next;
+        let (t_o, t_lse) = (&bufs.o[r0 * dv..r1 * dv], &bufs.lse[r0..r1]);
         let rph = u.rows_per_head(group);
         for g in u.g0..u.g1 {
             for i in u.i0..u.i1 {
                 let row = ctx.q_row(u.b, i);
                 let r0 = (g - u.g0) * rph + (i - u.i0) * group;
                 let dst = &mut out[(row * hq + g * group) * dv..][..group * dv];
-                for (d, &x) in dst.iter_mut().zip(&t.o[r0 * dv..][..group * dv]) {
+                for (d, &x) in dst.iter_mut().zip(&t_o[r0 * dv..][..group * dv]) {
                     *d = O::from_f32(x);
                 }
                 if let Some(l) = lse.as_deref_mut() {
@@ -593,7 +666,7 @@ pub(crate) fn forward<T: Element, O: Element>(
                                 (u.b * hq + h) * meta.max_seqlen_q + i
                             }
                         };
-                        l[idx] = t.lse[r0 + hh];
+                        l[idx] = t_lse[r0 + hh];
                     }
                 }
             }

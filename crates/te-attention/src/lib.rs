@@ -31,7 +31,7 @@ pub mod merge;
 mod simd;
 mod tile_math;
 
-pub use attention::{AttnMetadata, DotProductAttention, KvInput};
+pub use attention::{AttentionWorkspace, AttnMetadata, DotProductAttention, KvInput};
 pub use error::AttentionError;
 pub use mask::{AttnMaskType, KeyRange};
 pub use merge::{merge_partial, merge_row};
