@@ -1,9 +1,10 @@
-//! `cargo xtask bench [kernels|attention|models]`: CPU kernel, attention
-//! and model throughput, printed as markdown tables for
-//! docs/benchmarks.md. With no argument every section runs.
+//! `cargo xtask bench [kernels|attention|models|engine]`: CPU kernel,
+//! attention, model throughput and engine (prefix reuse), printed as
+//! markdown tables for docs/benchmarks.md. With no argument every section
+//! runs.
 
 /// The sections, in the order they print.
-const SECTIONS: [&str; 3] = ["kernels", "attention", "models"];
+const SECTIONS: [&str; 4] = ["kernels", "attention", "models", "engine"];
 
 pub fn run(args: &[String]) -> anyhow::Result<()> {
     for a in args {
@@ -38,6 +39,17 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         println!("## Models (tokens/s, 2 threads for llama.cpp)\n");
         println!("| model | test | te-rs tok/s | llama.cpp tok/s |\n|---|---|---|---|");
         for row in crate::bench_models::run(&["smollm2-135m", "gemma3-270m"])? {
+            println!("{row}");
+        }
+        println!();
+    }
+    if wanted("engine") {
+        crate::fetch_models::run(&[])?;
+        println!("## Engine: prefix reuse\n");
+        println!(
+            "| case | prefix caching | prefill s | tokens computed | prefix hits | wall s |\n|---|---|---|---|---|---|"
+        );
+        for row in crate::bench_engine::run("smollm2-135m")? {
             println!("{row}");
         }
     }

@@ -5,9 +5,9 @@
 use std::time::Instant;
 
 use anyhow::Context;
-use te_models::generate::{generate, Control, GenerationConfig, GenerationRequest};
+use te_models::engine::{EngineConfig, Request};
+use te_models::generate::{generate, Control};
 use te_models::model::Logits;
-use te_models::sampling::SamplingParams;
 
 /// llama.cpp's tokens/s for (n_prompt, n_gen), if the reference file has it.
 fn llamacpp(model: &str, n_prompt: u64, n_gen: u64) -> Option<f64> {
@@ -40,15 +40,13 @@ pub fn run(models: &[&str]) -> anyhow::Result<Vec<String>> {
         let pp = 128.0 / best;
         // Generation: 64 tokens after a short prompt, timed from the first
         // generated token to the last (prefill excluded).
-        let request = GenerationRequest {
-            prompt_tokens: prompt[..8].to_vec(),
-            max_new_tokens: 65,
-            sampling: SamplingParams::default(),
+        let request = Request {
             ignore_eos: true,
+            ..Request::new(prompt[..8].to_vec(), 65)
         };
         let mut first = None;
         let mut last = Instant::now();
-        generate(model, &[request], &GenerationConfig::default(), |_, _| {
+        generate(model, &[request], &EngineConfig::default(), |_, _| {
             let now = Instant::now();
             first.get_or_insert(now);
             last = now;

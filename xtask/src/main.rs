@@ -3,6 +3,7 @@
 
 mod bench;
 mod bench_attention;
+mod bench_engine;
 mod bench_kernels;
 mod bench_models;
 mod fetch_models;
@@ -27,7 +28,7 @@ fn main() -> anyhow::Result<()> {
                 "usage: cargo xtask <command>\n\n\
                  commands:\n  \
                  test [--gpu]       run every test (fetches the test models first)\n  \
-                 bench [SECTION]    kernels, attention and models benchmarks\n  \
+                 bench [SECTION]    kernels, attention, models and engine benchmarks\n  \
                  kernels            compile kernels/*.cu with NVRTC for sm_80 and sm_90\n  \
                  fetch-models       download and verify the test models into $TE_HOME\n  \
                  gpu-bundle         GPU parity test binaries + run.sh for a GPU machine without Rust"

@@ -352,7 +352,7 @@ fn lengths_from_cu(
     Ok(())
 }
 
-fn check_len(arg: &'static str, got: usize, shape: Vec<usize>) -> Result<(), AttentionError> {
+fn check_len(arg: &'static str, got: usize, shape: &[usize]) -> Result<(), AttentionError> {
     // A product that overflows matches no real buffer.
     if shape.iter().try_fold(1usize, |a, &x| a.checked_mul(x)) == Some(got) {
         Ok(())
@@ -360,13 +360,25 @@ fn check_len(arg: &'static str, got: usize, shape: Vec<usize>) -> Result<(), Att
         Err(AttentionError::ShapeMismatch {
             op: OP,
             arg,
-            expected: shape,
+            expected: shape.to_vec(),
             got: vec![got],
         })
     }
 }
 
-/// Shape of a `[.., heads, dim]` tensor in `format`.
+/// Shape of a `[.., heads, dim]` tensor in `format` (on the stack: `dims[..rank]`).
+struct Shape {
+    dims: [usize; 4],
+    rank: usize,
+}
+
+impl std::ops::Deref for Shape {
+    type Target = [usize];
+    fn deref(&self) -> &[usize] {
+        &self.dims[..self.rank]
+    }
+}
+
 fn shape(
     format: QkvFormat,
     batch: usize,
@@ -374,11 +386,20 @@ fn shape(
     t: usize,
     heads: usize,
     dim: usize,
-) -> Vec<usize> {
+) -> Shape {
     match format {
-        QkvFormat::Bshd => vec![batch, max_seqlen, heads, dim],
-        QkvFormat::Sbhd => vec![max_seqlen, batch, heads, dim],
-        QkvFormat::Thd => vec![t, heads, dim],
+        QkvFormat::Bshd => Shape {
+            dims: [batch, max_seqlen, heads, dim],
+            rank: 4,
+        },
+        QkvFormat::Sbhd => Shape {
+            dims: [max_seqlen, batch, heads, dim],
+            rank: 4,
+        },
+        QkvFormat::Thd => Shape {
+            dims: [t, heads, dim, 0],
+            rank: 3,
+        },
     }
 }
 
@@ -438,15 +459,14 @@ impl DotProductAttention {
         }
         let t_q = if q_thd { sq.iter().sum() } else { 0 };
         let q_shape = |d| shape(self.qkv_format, b, meta.max_seqlen_q, t_q, hq, d);
-        check_len("q", q_len, q_shape(dqk))?;
-        check_len("out", out_len, q_shape(dv))?;
+        check_len("q", q_len, &q_shape(dqk))?;
+        check_len("out", out_len, &q_shape(dv))?;
         if let Some(n) = lse_len {
-            let lse_shape = if q_thd {
-                vec![hq, t_q]
+            if q_thd {
+                check_len("lse", n, &[hq, t_q])?;
             } else {
-                vec![b, hq, meta.max_seqlen_q]
-            };
-            check_len("lse", n, lse_shape)?;
+                check_len("lse", n, &[b, hq, meta.max_seqlen_q])?;
+            }
         }
 
         // Key lengths, first held key, and the K/V shapes.
@@ -470,8 +490,8 @@ impl DotProductAttention {
                 }
                 let t_kv = if kv_thd { skv.iter().sum() } else { 0 };
                 let kv_shape = |d| shape(self.kv_format, b, meta.max_seqlen_kv, t_kv, hkv, d);
-                check_len("k", *k, kv_shape(dqk))?;
-                check_len("v", *v, kv_shape(dv))?;
+                check_len("k", *k, &kv_shape(dqk))?;
+                check_len("v", *v, &kv_shape(dv))?;
                 first.clear();
                 first.resize(b, 0);
             }
@@ -494,7 +514,13 @@ impl DotProductAttention {
         for s in 0..b {
             plan.seqs.push(SeqLens {
                 sq: plan.sq[s],
-                key_range: KeyRange::new(mask, self.window_size, plan.sq[s], plan.skv[s], plan.first[s]),
+                key_range: KeyRange::new(
+                    mask,
+                    self.window_size,
+                    plan.sq[s],
+                    plan.skv[s],
+                    plan.first[s],
+                ),
             });
         }
         plan.q_rows = q_len / (hq * dqk);
@@ -576,7 +602,7 @@ impl DotProductAttention {
         check_len(
             "v_cache",
             v_cache_len,
-            vec![num_pages, l.page_size, l.num_heads_kv, l.head_dim_v],
+            &[num_pages, l.page_size, l.num_heads_kv, l.head_dim_v],
         )?;
         if let Some(r) = l.ring_len {
             if r == 0 || r % l.page_size != 0 {

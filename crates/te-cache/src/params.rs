@@ -6,7 +6,9 @@
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
-use te_kernels::{save_kv_cpu_reusing, DType, Element, KvCacheLayout, KvCacheView, KvStep, QkvFormat};
+use te_kernels::{
+    save_kv_cpu_reusing, DType, Element, KvCacheLayout, KvCacheView, KvStep, QkvFormat,
+};
 
 use crate::error::CacheError;
 use crate::pool::PagePool;
@@ -294,14 +296,7 @@ impl InferenceParams<HostKvStorage> {
             }
         }
         let p = self.layer_pool[layer];
-        let layout = layout_of(
-            &self.pools[p],
-            plan,
-            p,
-            h,
-            self.head_dim_k,
-            self.head_dim_v,
-        );
+        let layout = layout_of(&self.pools[p], plan, p, h, self.head_dim_k, self.head_dim_v);
         let Some((k_cache, v_cache)) = self.storage.layer_mut::<T>(layer) else {
             unreachable!("dtype checked above");
         };
@@ -310,7 +305,15 @@ impl InferenceParams<HostKvStorage> {
             cu_seqlens: &plan.cu_seqlens_q,
             max_seqlen: s,
         };
-        save_kv_cpu_reusing(k, v, k_cache, v_cache, &layout, &kv_step, &mut self.save_scratch)?;
+        save_kv_cpu_reusing(
+            k,
+            v,
+            k_cache,
+            v_cache,
+            &layout,
+            &kv_step,
+            &mut self.save_scratch,
+        )?;
         self.view(layer)
     }
 
@@ -471,7 +474,12 @@ impl<S: KvStorage> InferenceParams<S> {
         if max_step_len == 0 {
             return Err(invalid("max_step_len", "must be at least 1"));
         }
-        let old = (self.windows.clone(), self.layer_pool.clone(), self.pools.clone(), self.prefix.clone());
+        let old = (
+            self.windows.clone(),
+            self.layer_pool.clone(),
+            self.pools.clone(),
+            self.prefix.clone(),
+        );
         self.windows[layer] = Some(SlidingWindow {
             window,
             max_step_len,
@@ -594,15 +602,19 @@ impl<S: KvStorage> InferenceParams<S> {
                 if pool.ring_len.is_none() && start % pool.page_size != 0 {
                     let slot = start / pool.page_size;
                     let old = pages[slot];
-                    let registered = p == 0 && self.prefix.as_ref().is_some_and(|ix| ix.is_registered(old));
+                    let registered =
+                        p == 0 && self.prefix.as_ref().is_some_and(|ix| ix.is_registered(old));
                     if pool.refs(old) > 1 || registered {
                         let (new, evicted) = pool.take();
                         if let (Some(e), Some(ix)) = (evicted, self.prefix.as_mut()) {
                             ix.remove(e);
                         }
                         let ps = pool.page_size;
-                        for (layer, _) in self.layer_pool.iter().enumerate().filter(|(_, &q)| q == p) {
-                            self.storage.copy_rows(layer, old as usize * ps, new as usize * ps, ps);
+                        for (layer, _) in
+                            self.layer_pool.iter().enumerate().filter(|(_, &q)| q == p)
+                        {
+                            self.storage
+                                .copy_rows(layer, old as usize * ps, new as usize * ps, ps);
                         }
                         pool.unshare(old, registered);
                         pages[slot] = new;
@@ -778,7 +790,11 @@ impl<S: KvStorage> InferenceParams<S> {
             .ok_or(CacheError::UnknownSequence { seq_id })?;
         for (p, (pool, pages)) in self.pools.iter_mut().zip(&seq.pages).enumerate() {
             for &page in pages.iter().rev() {
-                let keep = p == 0 && self.prefix.as_ref().is_some_and(|ix| ix.is_registered(page));
+                let keep = p == 0
+                    && self
+                        .prefix
+                        .as_ref()
+                        .is_some_and(|ix| ix.is_registered(page));
                 pool.unshare(page, keep);
             }
         }
@@ -878,7 +894,9 @@ impl<S: KvStorage> InferenceParams<S> {
     /// Pages kept for prefix reuse that no sequence holds (counted as free
     /// by [`pages_free`](Self::pages_free)).
     pub fn pages_cached(&self) -> usize {
-        self.prefix.as_ref().map_or(0, |_| self.pools[0].pages_cached())
+        self.prefix
+            .as_ref()
+            .map_or(0, |_| self.pools[0].pages_cached())
     }
 
     /// Sequences holding physical `page` of `layer`'s pool (its reference
@@ -901,7 +919,9 @@ impl<S: KvStorage> InferenceParams<S> {
                     refs[page as usize] += 1;
                 }
                 if seq.pages[p].len() != pool.pages_for(seq.cached) {
-                    return Err(format!("pool {p}: a sequence holds the wrong number of pages"));
+                    return Err(format!(
+                        "pool {p}: a sequence holds the wrong number of pages"
+                    ));
                 }
             }
             for (page, &r) in refs.iter().enumerate() {
@@ -915,7 +935,9 @@ impl<S: KvStorage> InferenceParams<S> {
         }
         if let Some(ix) = &self.prefix {
             let pool = &self.pools[0];
-            let registered = (0..pool.num_pages as i32).filter(|&q| ix.is_registered(q)).count();
+            let registered = (0..pool.num_pages as i32)
+                .filter(|&q| ix.is_registered(q))
+                .count();
             if registered != ix.len() {
                 return Err("prefix index and page keys disagree".into());
             }

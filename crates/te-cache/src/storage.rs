@@ -136,10 +136,11 @@ impl KvStorage for HostKvStorage {
         row_v: usize,
     ) -> Result<(), CacheError> {
         let len = |row: usize| {
-            rows.checked_mul(row).ok_or_else(|| CacheError::InvalidArgument {
-                arg: "total_num_pages",
-                reason: "cache size overflows usize".into(),
-            })
+            rows.checked_mul(row)
+                .ok_or_else(|| CacheError::InvalidArgument {
+                    arg: "total_num_pages",
+                    reason: "cache size overflows usize".into(),
+                })
         };
         let (k, v) = (len(row_k)?, len(row_v)?);
         self.layers[layer] = (

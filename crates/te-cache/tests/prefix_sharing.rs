@@ -56,7 +56,10 @@ fn value(tok: u32, pos: usize) -> f32 {
 /// and V on every layer. Returns whether `pre_step` accepted it.
 fn run_step(params: &mut InferenceParams, feed: &[(u64, Vec<u32>)]) -> bool {
     let steps: Vec<(u64, usize)> = feed.iter().map(|(id, t)| (*id, t.len())).collect();
-    let starts: Vec<usize> = feed.iter().map(|(id, _)| params.cached_tokens(*id)).collect();
+    let starts: Vec<usize> = feed
+        .iter()
+        .map(|(id, _)| params.cached_tokens(*id))
+        .collect();
     if params.pre_step(&steps).is_err() {
         return false;
     }

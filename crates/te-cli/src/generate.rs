@@ -4,7 +4,7 @@ use std::io::Write;
 
 use anyhow::{bail, Context};
 use te_models::chat::ChatMessage;
-use te_models::generate::{generate, Control, GenerationConfig, GenerationRequest};
+use te_models::engine::{Engine, EngineConfig, Event, FinishReason, Request};
 use te_models::sampling::SamplingParams;
 
 #[derive(clap::Args)]
@@ -60,15 +60,25 @@ pub struct Args {
     /// With --chat: a system message before each prompt.
     #[arg(long, requires = "chat")]
     system: Option<String>,
+    /// KV cache capacity in tokens, all sequences together (default: the
+    /// model's context, at most 32768). Sequences are admitted as pages
+    /// free up and preempted (recomputed later) when they run out.
+    #[arg(long)]
+    kv_cache_tokens: Option<usize>,
+    /// Do not share the KV pages of common prompt prefixes.
+    #[arg(long)]
+    no_prefix_caching: bool,
+    /// Print run statistics as one JSON object on stderr at the end.
+    #[arg(long)]
+    stats: bool,
 }
 
-struct Stream {
-    /// Generated ids so far.
+/// What one prompt has produced so far.
+#[derive(Default)]
+struct Output {
     tokens: Vec<u32>,
-    /// Bytes of decoded text already printed.
-    printed: usize,
-    /// Text cut at the first stop string, once one appeared.
-    stopped_text: Option<String>,
+    text: String,
+    finish_reason: Option<FinishReason>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -93,6 +103,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.max_batch_size == 0 {
         bail!("--max-batch-size must be at least 1");
     }
+    if args.kv_cache_tokens == Some(0) {
+        bail!("--kv-cache-tokens must be at least 1");
+    }
     let sampling = SamplingParams {
         temperature: args.temperature,
         top_k: args.top_k,
@@ -104,7 +117,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     sampling.validate().map_err(anyhow::Error::msg)?;
     let loaded = crate::load(&args.model)?;
     let tokenizer = &loaded.tokenizer;
-    let mut requests = Vec::with_capacity(prompts.len());
+    let config = EngineConfig {
+        max_batch_size: args.max_batch_size,
+        kv_cache_tokens: args.kv_cache_tokens,
+        prefix_caching: !args.no_prefix_caching,
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(&loaded.model, Some(tokenizer), config)?;
+    eprintln!(
+        "kv cache: {} tokens{}",
+        engine.kv_capacity_tokens(),
+        if engine.prefix_caching() {
+            ", prefix caching on"
+        } else {
+            ""
+        }
+    );
+    let mut prompt_tokens = Vec::with_capacity(prompts.len());
     for (i, p) in prompts.iter().enumerate() {
         let ids = if args.chat {
             let mut messages = Vec::new();
@@ -117,97 +146,86 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             tokenizer.encode(p, true)
         }
         .with_context(|| format!("tokenizing prompt {i}"))?;
-        requests.push(GenerationRequest {
-            prompt_tokens: ids,
-            max_new_tokens: args.max_new_tokens,
-            sampling: sampling.clone(),
-            ignore_eos: args.ignore_eos,
-        });
+        let id = engine
+            .add_request(Request {
+                prompt_tokens: ids.clone(),
+                max_new_tokens: args.max_new_tokens,
+                sampling: sampling.clone(),
+                ignore_eos: args.ignore_eos,
+                stop: args.stop.clone(),
+                skip_special_tokens: !args.json,
+            })
+            .with_context(|| format!("prompt {i}"))?;
+        // Ids are handed out in order from 0.
+        debug_assert_eq!(id as usize, i);
+        prompt_tokens.push(ids);
     }
-    let config = GenerationConfig {
-        max_batch_size: args.max_batch_size,
-        ..GenerationConfig::default()
-    };
     // Stream text only for a single prompt; several are printed whole.
     let stream_stdout = !args.json && prompts.len() == 1;
-    let mut streams: Vec<Stream> = (0..prompts.len())
-        .map(|_| Stream {
-            tokens: vec![],
-            printed: 0,
-            stopped_text: None,
-        })
-        .collect();
+    let mut outputs: Vec<Output> = (0..prompts.len()).map(|_| Output::default()).collect();
     let mut stdout = std::io::stdout().lock();
-    let mut decode_error = None;
-    let outputs = generate(&loaded.model, &requests, &config, |i, tok| {
-        let s = &mut streams[i];
-        s.tokens.push(tok);
-        if args.stop.is_empty() && !stream_stdout {
-            return Control::Continue;
-        }
-        let text = match tokenizer.decode(&s.tokens, !args.json) {
-            Ok(t) => t,
-            Err(e) => {
-                decode_error = Some(e);
-                return Control::Stop;
-            }
-        };
-        let mut control = Control::Continue;
-        let mut visible = text.as_str();
-        if let Some(pos) = args
-            .stop
-            .iter()
-            .filter_map(|st| text.find(st.as_str()))
-            .min()
-        {
-            visible = &text[..pos];
-            s.stopped_text = Some(visible.to_string());
-            control = Control::Stop;
-        }
-        if stream_stdout {
-            // Hold back an incomplete UTF-8 character and anything that may
-            // be the start of a stop string.
-            let mut end = visible.trim_end_matches('\u{FFFD}').len();
-            if control == Control::Continue {
-                let hold = args.stop.iter().map(|st| st.len().saturating_sub(1)).max();
-                end = end.saturating_sub(hold.unwrap_or(0));
-                while !visible.is_char_boundary(end) {
-                    end -= 1;
+    let start = std::time::Instant::now();
+    while engine.has_work() {
+        for event in engine.step()? {
+            let (id, text) = match event {
+                Event::Token { id, token, text } => {
+                    outputs[id as usize].tokens.push(token);
+                    (id, text)
                 }
+                Event::Finished {
+                    id, reason, text, ..
+                } => {
+                    outputs[id as usize].finish_reason = Some(reason);
+                    (id, text)
+                }
+            };
+            if stream_stdout {
+                stdout.write_all(text.as_bytes())?;
+                stdout.flush()?;
             }
-            if end > s.printed {
-                let _ = stdout.write_all(&visible.as_bytes()[s.printed..end]);
-                let _ = stdout.flush();
-                s.printed = end;
-            }
+            outputs[id as usize].text.push_str(&text);
         }
-        control
-    })?;
-    if let Some(e) = decode_error {
-        return Err(e).context("decoding generated tokens");
     }
+    let wall_s = start.elapsed().as_secs_f64();
     for (i, out) in outputs.iter().enumerate() {
-        let text = match streams[i].stopped_text.take() {
-            Some(t) => t,
-            None => tokenizer.decode(&out.tokens, !args.json)?,
-        };
+        let reason = out.finish_reason.map_or("length", FinishReason::as_str);
         if args.json {
             let line = serde_json::json!({
                 "prompt": prompts[i],
-                "prompt_tokens": requests[i].prompt_tokens,
+                "prompt_tokens": prompt_tokens[i],
                 "tokens": out.tokens,
-                "text": text,
-                "finish_reason": out.finish_reason.as_str(),
+                "text": out.text,
+                "finish_reason": reason,
             });
             writeln!(stdout, "{line}")?;
         } else if stream_stdout {
-            let rest = &text[streams[i].printed.min(text.len())..];
-            writeln!(stdout, "{rest}")?;
+            writeln!(stdout)?;
         } else {
             // A completion continues its prompt; a chat reply stands alone.
             let echo = if args.chat { "" } else { prompts[i].as_str() };
-            writeln!(stdout, "### prompt {i}: {}\n{echo}{text}\n", prompts[i])?;
+            writeln!(
+                stdout,
+                "### prompt {i}: {}\n{echo}{}\n",
+                prompts[i], out.text
+            )?;
         }
+    }
+    if args.stats {
+        let s = engine.stats();
+        let rate = |n: usize, t: f64| if t > 0.0 { n as f64 / t } else { 0.0 };
+        let line = serde_json::json!({
+            "requests": s.requests,
+            "prompt_tokens": s.prompt_tokens,
+            "prefix_hit_tokens": s.prefix_hit_tokens,
+            "generated_tokens": s.generated_tokens,
+            "prefill_tokens_per_s": rate(s.prefill_tokens, s.prefill_s),
+            "decode_tokens_per_s": rate(s.decode_tokens, s.decode_s),
+            "wall_s": wall_s,
+            "kv_capacity_tokens": engine.kv_capacity_tokens(),
+            "peak_kv_tokens": s.peak_kv_tokens,
+            "preemptions": s.preemptions,
+        });
+        eprintln!("{line}");
     }
     Ok(())
 }

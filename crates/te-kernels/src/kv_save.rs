@@ -250,7 +250,15 @@ pub fn save_kv_cpu_reusing<T: Element>(
     step: &KvStep,
     pairs: &mut Vec<(u64, u64)>,
 ) -> Result<(), KernelError> {
-    plan_save(k.len(), v.len(), k_cache.len(), v_cache.len(), layout, step, pairs)?;
+    plan_save(
+        k.len(),
+        v.len(),
+        k_cache.len(),
+        v_cache.len(),
+        layout,
+        step,
+        pairs,
+    )?;
     let rk = layout.num_heads_kv * layout.head_dim_k;
     let rv = layout.num_heads_kv * layout.head_dim_v;
     let (kc, vc) = (

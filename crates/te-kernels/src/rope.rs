@@ -482,15 +482,31 @@ impl RopeArgs<'_> {
 /// exceeds the span of all smaller ones), so in-place writes never race.
 pub(crate) fn check_no_overlap(args: &RopeArgs, plan: &RopePlan) -> Result<(), KernelError> {
     let s = plan.strides;
-    let mut dims: Vec<(usize, usize)> = match args.format {
-        QkvFormat::Thd => vec![(plan.tokens, s.seq)],
-        _ => vec![(args.batch, s.batch), (args.max_seqlen, s.seq)],
+    // (extent, stride) per dimension, on the stack.
+    let mut dims = [(0usize, 0usize); 4];
+    let all: [(usize, usize); 4] = match args.format {
+        QkvFormat::Thd => [
+            (plan.tokens, s.seq),
+            (1, 0),
+            (args.num_heads, s.head),
+            (args.head_dim, s.dim),
+        ],
+        _ => [
+            (args.batch, s.batch),
+            (args.max_seqlen, s.seq),
+            (args.num_heads, s.head),
+            (args.head_dim, s.dim),
+        ],
     };
-    dims.extend([(args.num_heads, s.head), (args.head_dim, s.dim)]);
-    dims.retain(|&(n, _)| n > 1);
+    let mut len = 0;
+    for d in all.into_iter().filter(|&(n, _)| n > 1) {
+        dims[len] = d;
+        len += 1;
+    }
+    let dims = &mut dims[..len];
     dims.sort_by_key(|&(_, st)| st);
     let mut span = 0usize;
-    for (n, st) in dims {
+    for &mut (n, st) in dims {
         if st <= span {
             return Err(KernelError::InvalidArgument {
                 op: OP,

@@ -14,13 +14,13 @@
 //! ```
 
 use rayon::prelude::*;
-use te_attention::{AttnMaskType, AttnMetadata, DotProductAttention, KvInput};
-use te_cache::InferenceParams;
+use te_attention::{AttentionWorkspace, AttnMaskType, AttnMetadata, DotProductAttention, KvInput};
+use te_cache::{InferenceParams, StepPlan};
 use te_kernels::rope::{apply_rope_cpu, RopeArgs, RopeConvention, RopeTable};
 use te_kernels::QkvFormat;
 
 use crate::config::{Activation, ModelConfig};
-use crate::ops::{add_inplace, gelu_tanh, rms_norm, rms_norm_inplace, silu};
+use crate::ops::{add_inplace, gelu_tanh, rms_norm_inplace, rms_norm_into, silu};
 use crate::weights::LayerWeights;
 use crate::Result;
 
@@ -68,65 +68,117 @@ impl Layer {
         })
     }
 
-    /// Runs the layer on `x: [t, hidden]` in place for the step planned in
-    /// `cache`, saving this layer's K/V there.
+    /// Runs the layer on `x: [t, hidden]` in place for the step `plan`
+    /// planned in `cache`, saving this layer's K/V there. `ws` holds every
+    /// intermediate buffer (sized on first use, then reused).
     pub fn forward(
         &self,
         w: &LayerWeights,
         x: &mut [f32],
-        t: usize,
+        plan: &StepPlan,
         rope: &RopeTable,
         cache: &mut InferenceParams,
+        ws: &mut Workspace,
     ) -> Result<()> {
         let (hq, hkv, d) = (self.num_heads, self.num_heads_kv, self.head_dim);
-        let cu_seqlens_q = cache.cu_seqlens_q().to_vec();
-        let start_positions = cache.start_positions().to_vec();
+        let t = plan.num_tokens();
+        let hidden = x.len() / t.max(1);
+        let inter = w.gate_proj.out_features;
+        let cu_seqlens_q = plan.cu_seqlens_q();
+        let start_positions = plan.start_positions();
+        let [n, q, k, v, attn, o, g, u] = buffers(
+            &mut ws.bufs,
+            [
+                t * hidden,
+                t * hq * d,
+                t * hkv * d,
+                t * hkv * d,
+                t * hq * d,
+                t * hidden,
+                t * inter,
+                t * inter,
+            ],
+        );
+        let scratch = &mut ws.scratch;
 
         // Attention block. n: [t, hidden]
-        let n = rms_norm(x, &w.attn_norm, self.eps);
-        let mut q = w.q_proj.forward(&n, t); // [t, hq, d]
-        let mut k = w.k_proj.forward(&n, t); // [t, hkv, d]
-        let v = w.v_proj.forward(&n, t); // [t, hkv, d]
+        rms_norm_into(x, &w.attn_norm, self.eps, n);
+        w.q_proj.forward_into(n, t, q, scratch); // [t, hq, d]
+        w.k_proj.forward_into(n, t, k, scratch); // [t, hkv, d]
+        w.v_proj.forward_into(n, t, v, scratch); // [t, hkv, d]
         if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
             // Gemma 3: RMSNorm over each head's d values.
-            rms_norm_inplace(&mut q, qn, self.eps);
-            rms_norm_inplace(&mut k, kn, self.eps);
+            rms_norm_inplace(q, qn, self.eps);
+            rms_norm_inplace(k, kn, self.eps);
         }
-        let args =
-            |heads| RopeArgs::thd(self.convention, heads, d, &cu_seqlens_q, &start_positions);
-        apply_rope_cpu(&mut q, rope, &args(hq))?;
-        apply_rope_cpu(&mut k, rope, &args(hkv))?;
-        let view = cache.step(self.index, &k, &v, QkvFormat::Thd)?;
+        let args = |heads| RopeArgs::thd(self.convention, heads, d, cu_seqlens_q, start_positions);
+        apply_rope_cpu(q, rope, &args(hq))?;
+        apply_rope_cpu(k, rope, &args(hkv))?;
+        let view = cache.step(self.index, k, v, QkvFormat::Thd)?;
         let meta = AttnMetadata {
-            batch: cu_seqlens_q.len() - 1,
+            batch: plan.batch_size(),
             max_seqlen_q: 0,
             max_seqlen_kv: 0,
-            cu_seqlens_q: Some(&cu_seqlens_q),
+            cu_seqlens_q: Some(cu_seqlens_q),
             cu_seqlens_kv: None,
         };
-        let mut attn = vec![0.0f32; t * hq * d]; // [t, hq, d]
-        self.attention
-            .forward_cpu(&q, KvInput::Cache(view), &meta, &mut attn, None)?;
-        let mut o = w.o_proj.forward(&attn, t); // [t, hidden]
+        self.attention.forward_cpu_with(
+            q,
+            KvInput::Cache(view),
+            &meta,
+            attn,
+            None,
+            &mut ws.attention,
+        )?;
+        w.o_proj.forward_into(attn, t, o, scratch); // [t, hidden]
         if let Some(post) = &w.post_attn_norm {
-            rms_norm_inplace(&mut o, post, self.eps);
+            rms_norm_inplace(o, post, self.eps);
         }
-        add_inplace(x, &o);
+        add_inplace(x, o);
 
         // MLP block: down(act(gate(n)) * up(n)).
-        let n = rms_norm(x, &w.ffn_norm, self.eps);
-        let mut g = w.gate_proj.forward(&n, t); // [t, intermediate]
-        let u = w.up_proj.forward(&n, t);
+        rms_norm_into(x, &w.ffn_norm, self.eps, n);
+        w.gate_proj.forward_into(n, t, g, scratch); // [t, intermediate]
+        w.up_proj.forward_into(n, t, u, scratch);
         let act = match self.activation {
             Activation::Silu => silu,
             Activation::GeluTanh => gelu_tanh,
         };
-        g.par_iter_mut().zip(&u).for_each(|(g, u)| *g = act(*g) * u);
-        let mut m = w.down_proj.forward(&g, t); // [t, hidden]
+        g.par_iter_mut()
+            .zip(&*u)
+            .for_each(|(g, u)| *g = act(*g) * u);
+        let m = o; // [t, hidden], reused
+        w.down_proj.forward_into(g, t, m, scratch);
         if let Some(post) = &w.post_ffn_norm {
-            rms_norm_inplace(&mut m, post, self.eps);
+            rms_norm_inplace(m, post, self.eps);
         }
-        add_inplace(x, &m);
+        add_inplace(x, m);
         Ok(())
     }
+}
+
+/// The buffers of one forward pass, reused from step to step: the layers'
+/// intermediates (`[t, hidden]`, `[t, h * d]`, `[t, intermediate]` each),
+/// the matrix-vector scratch and attention's workspace. Buffers only grow,
+/// so a run of decode steps allocates nothing here after the first.
+#[derive(Default)]
+pub struct Workspace {
+    bufs: [Vec<f32>; 8],
+    pub(crate) scratch: Vec<f32>,
+    attention: AttentionWorkspace,
+    /// Model level: the hidden state `[t, hidden]`, the rows that get
+    /// logits, their normed copy and the logits.
+    pub(crate) x: Vec<f32>,
+    pub(crate) rows: Vec<usize>,
+    pub(crate) h: Vec<f32>,
+    pub(crate) logits: Vec<f32>,
+}
+
+/// The eight layer buffers, each resized to its length.
+fn buffers(bufs: &mut [Vec<f32>; 8], lens: [usize; 8]) -> [&mut [f32]; 8] {
+    for (b, &len) in bufs.iter_mut().zip(&lens) {
+        b.resize(len, 0.0);
+    }
+    let [a, b, c, d, e, f, g, h] = bufs;
+    [a, b, c, d, e, f, g, h].map(|v| v.as_mut_slice())
 }

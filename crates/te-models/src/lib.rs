@@ -5,7 +5,10 @@
 //! Main types: [`hub::resolve_model`] (a `--model` argument to files,
 //! fetching known models), [`loader::load_model`], [`model::Model`] (the
 //! forward over one thd step of an `InferenceParams` cache),
-//! [`generate::generate`] (continuous batching), [`tokenizer::Tokenizer`].
+//! [`engine::Engine`] (continuous batching: requests join and leave at any
+//! step, paged KV memory with preemption and prefix sharing),
+//! [`generate::generate`] (a batch run through the engine),
+//! [`tokenizer::Tokenizer`].
 //!
 //! Invariants: every architecture is a config mapping ([`config`]) and a
 //! weight-name mapping ([`weights`]) onto the one [`layer::Layer`]; weights
@@ -15,6 +18,7 @@
 pub mod chat;
 pub mod config;
 pub mod convert;
+pub mod engine;
 pub mod error;
 pub mod generate;
 pub mod gguf;

@@ -7,8 +7,8 @@ use te_kernels::rope::{RopeFreqs, RopeScaling, RopeTable};
 use te_kernels::DType;
 
 use crate::config::{Architecture, ModelConfig};
-use crate::layer::Layer;
-use crate::ops::rms_norm;
+use crate::layer::{Layer, Workspace};
+use crate::ops::rms_norm_inplace;
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
 
@@ -112,48 +112,85 @@ impl Model {
         cache: &mut InferenceParams,
         logits: Logits,
     ) -> Result<Vec<f32>> {
+        let mut ws = Workspace::default();
+        Ok(self.forward_with(tokens, cache, logits, &mut ws)?.to_vec())
+    }
+
+    /// [`forward`](Self::forward) with every buffer kept in `ws` (reuse one
+    /// workspace for every step: decode steps then allocate nothing per
+    /// layer). The step's plan is taken from `cache` once and borrowed by
+    /// every layer. Returns the logits, borrowed from `ws`.
+    pub fn forward_with<'w>(
+        &self,
+        tokens: &[u32],
+        cache: &mut InferenceParams,
+        logits: Logits,
+        ws: &'w mut Workspace,
+    ) -> Result<&'w [f32]> {
         let c = &self.config;
-        let cu_seqlens_q = cache.cu_seqlens_q().to_vec();
+        let plan = cache.plan().ok_or_else(|| {
+            ModelError::Request("forward: no step planned (call pre_step first)".into())
+        })?;
         let t = tokens.len();
-        if cu_seqlens_q.last().map(|&n| n as usize) != Some(t) {
+        if plan.num_tokens() != t {
             return Err(ModelError::Request(format!(
                 "forward: {t} tokens given, the planned step has {}",
-                cu_seqlens_q.last().copied().unwrap_or(0)
+                plan.num_tokens()
             )));
         }
         let hidden = c.hidden_size;
         // x: [t, hidden]
-        let mut x = self.embed(tokens)?;
-        for (layer, w) in self.layers.iter().zip(&self.weights.layers) {
-            let rope = match (&self.rope_local, layer.window.is_some()) {
-                (Some(local), true) => local,
-                _ => &self.rope_global,
-            };
-            layer.forward(w, &mut x, t, rope, cache)?;
+        let mut x = std::mem::take(&mut ws.x);
+        x.resize(t * hidden, 0.0);
+        let result = self.embed(tokens, &mut x).and_then(|()| {
+            for (layer, w) in self.layers.iter().zip(&self.weights.layers) {
+                let rope = match (&self.rope_local, layer.window.is_some()) {
+                    (Some(local), true) => local,
+                    _ => &self.rope_global,
+                };
+                layer.forward(w, &mut x, &plan, rope, cache, ws)?;
+            }
+            Ok(())
+        });
+        drop(plan);
+        if let Err(e) = result {
+            ws.x = x;
+            return Err(e);
         }
         // Rows that get logits: [n, hidden].
-        let rows: Vec<usize> = match logits {
-            Logits::All => (0..t).collect(),
-            Logits::Last => cu_seqlens_q[1..].iter().map(|&e| e as usize - 1).collect(),
-        };
-        let mut h = Vec::with_capacity(rows.len() * hidden);
-        for &r in &rows {
-            h.extend_from_slice(&x[r * hidden..(r + 1) * hidden]);
+        ws.rows.clear();
+        match logits {
+            Logits::All => ws.rows.extend(0..t),
+            Logits::Last => {
+                let cu = cache.cu_seqlens_q();
+                ws.rows.extend(cu[1..].iter().map(|&e| e as usize - 1));
+            }
         }
-        let h = rms_norm(&h, &self.weights.final_norm, c.rms_norm_eps);
-        let mut out = match &self.weights.lm_head {
-            Some(head) => head.forward(&h, rows.len()),
-            None => self.weights.embed_tokens.forward(&h, rows.len()),
-        };
+        let n = ws.rows.len();
+        ws.h.resize(n * hidden, 0.0);
+        for (dst, &r) in ws.h.chunks_exact_mut(hidden).zip(&ws.rows) {
+            dst.copy_from_slice(&x[r * hidden..(r + 1) * hidden]);
+        }
+        ws.x = x;
+        rms_norm_inplace(&mut ws.h, &self.weights.final_norm, c.rms_norm_eps);
+        let head = self
+            .weights
+            .lm_head
+            .as_ref()
+            .unwrap_or(&self.weights.embed_tokens);
+        ws.logits.resize(n * head.out_features, 0.0);
+        head.forward_into(&ws.h, n, &mut ws.logits, &mut ws.scratch);
         if let Some(cap) = c.final_logit_softcapping {
-            out.iter_mut().for_each(|l| *l = cap * (*l / cap).tanh());
+            ws.logits
+                .iter_mut()
+                .for_each(|l| *l = cap * (*l / cap).tanh());
         }
-        Ok(out)
+        Ok(&ws.logits)
     }
 
-    /// `tokens: [t]` -> `[t, hidden]`, times sqrt(hidden_size) for Gemma
+    /// `tokens: [t]` -> `x: [t, hidden]`, times sqrt(hidden_size) for Gemma
     /// (rounded to the activation dtype, f32 here).
-    fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+    fn embed(&self, tokens: &[u32], x: &mut [f32]) -> Result<()> {
         let c = &self.config;
         let hidden = c.hidden_size;
         let scale = if c.scale_embedding {
@@ -161,7 +198,6 @@ impl Model {
         } else {
             1.0
         };
-        let mut x = vec![0.0f32; tokens.len() * hidden];
         for (&tok, row) in tokens.iter().zip(x.chunks_exact_mut(hidden)) {
             let id = tok as usize;
             if id >= c.vocab_size {
@@ -173,6 +209,6 @@ impl Model {
             self.weights.embed_tokens.row_into(id, row);
             row.iter_mut().for_each(|v| *v *= scale);
         }
-        Ok(x)
+        Ok(())
     }
 }

@@ -62,10 +62,27 @@ impl Linear {
 
     /// `x: [t, in_features]` -> `y: [t, out_features]`.
     pub fn forward(&self, x: &[f32], t: usize) -> Vec<f32> {
+        let mut y = vec![0.0f32; t * self.out_features];
+        self.forward_into(x, t, &mut y, &mut Vec::new());
+        y
+    }
+
+    /// [`forward`](Self::forward) into `y: [t, out_features]`, with
+    /// `scratch` reused across calls (the matrix-vector path's transposed
+    /// output for `1 < t <= 8`, and dequantized weight rows): decode
+    /// allocates nothing once `scratch` has grown.
+    pub fn forward_into(&self, x: &[f32], t: usize, y: &mut [f32], scratch: &mut Vec<f32>) {
         let (n, k) = (self.out_features, self.in_features);
+        assert_eq!(
+            y.len(),
+            t * n,
+            "Linear::forward_into: y is not [t, out_features]"
+        );
         match &self.weight {
-            WeightData::F32(w) => matmul_transposed(x, t, w, n, k),
-            WeightData::Quantized { ty, data } => matmul_quantized(x, t, *ty, data, n, k),
+            WeightData::F32(w) => matmul_transposed_into(x, t, w, n, k, y, scratch),
+            WeightData::Quantized { ty, data } => {
+                matmul_quantized_into(x, t, *ty, data, n, k, y, scratch)
+            }
         }
     }
 
@@ -102,35 +119,59 @@ const DEQUANT_BLOCK_ROWS: usize = 256;
 /// registers 32 values at a time (bit-identical to dequantizing it into
 /// scratch, which the other CPUs and types do). Prefill: blocks of rows
 /// are dequantized and multiplied with the f32 GEMM.
-fn matmul_quantized(
+fn matmul_quantized_into(
     x: &[f32],
     t: usize,
     ty: GgmlType,
     data: &[u8],
     n: usize,
     k: usize,
-) -> Vec<f32> {
+    y: &mut [f32],
+    scratch: &mut Vec<f32>,
+) {
     assert_eq!(x.len(), t * k, "matmul_quantized: x is not [t, k]");
     let row_bytes = data.len() / n;
     if t <= GEMV_MAX_ROWS {
-        let mut yt = vec![0.0f32; n * t]; // [n, t]
-        yt.par_chunks_mut(GEMV_BLOCK * t)
-            .zip(data.par_chunks(GEMV_BLOCK * row_bytes))
-            .for_each(|(yt, w)| gemv_quantized_block(x, t, k, ty, w, yt));
-        return transpose(yt, n, t);
+        gemv_into(t, n, y, scratch, |yt| {
+            yt.par_chunks_mut(GEMV_BLOCK * t)
+                .zip(data.par_chunks(GEMV_BLOCK * row_bytes))
+                .for_each(|(yt, w)| gemv_quantized_block(x, t, k, ty, w, yt))
+        });
+        return;
     }
-    let mut y = vec![0.0f32; t * n];
-    let mut block = vec![0.0f32; DEQUANT_BLOCK_ROWS * k];
+    scratch.resize(DEQUANT_BLOCK_ROWS * k, 0.0);
     for (b, rows) in data.chunks(DEQUANT_BLOCK_ROWS * row_bytes).enumerate() {
         let nb = rows.len() / row_bytes;
-        let w = &mut block[..nb * k];
+        let w = &mut scratch[..nb * k];
         w.par_chunks_mut(k)
             .zip(rows.par_chunks(row_bytes))
             .for_each(|(o, r)| dequantize_blocks(ty, r, o));
         // y[:, b*R .. b*R + nb] = x · wᵀ.
-        gemm_xwt_into(x, t, k, w, nb, &mut y, b * DEQUANT_BLOCK_ROWS, n);
+        gemm_xwt_into(x, t, k, w, nb, y, b * DEQUANT_BLOCK_ROWS, n);
     }
-    y
+}
+
+/// The matrix-vector path's output: `compute` fills `yt: [n, t]`, which is
+/// `y` itself when `t == 1` (the layouts agree), else `scratch`, then
+/// transposed into `y: [t, n]`.
+fn gemv_into(
+    t: usize,
+    n: usize,
+    y: &mut [f32],
+    scratch: &mut Vec<f32>,
+    compute: impl FnOnce(&mut [f32]),
+) {
+    if t == 1 {
+        compute(y);
+        return;
+    }
+    scratch.resize(n * t, 0.0);
+    compute(&mut scratch[..n * t]);
+    for (j, col) in scratch[..n * t].chunks_exact(t).enumerate() {
+        for (i, v) in col.iter().enumerate() {
+            y[i * n + j] = *v;
+        }
+    }
 }
 
 /// `yt[j, i] = x_i · w_j` for the quantized weight rows `w` of one block:
@@ -285,21 +326,6 @@ fn gemm_xwt_into(
     }
 }
 
-/// `[rows, cols]` -> `[cols, rows]` (no copy when `cols == 1`: the two
-/// layouts are the same).
-fn transpose(a: Vec<f32>, rows: usize, cols: usize) -> Vec<f32> {
-    if cols == 1 {
-        return a;
-    }
-    let mut out = vec![0.0f32; a.len()];
-    for (r, row) in a.chunks_exact(cols).enumerate() {
-        for (c, v) in row.iter().enumerate() {
-            out[c * rows + r] = *v;
-        }
-    }
-    out
-}
-
 /// Up to this many rows of `x`, [`matmul_transposed`] runs as
 /// matrix-vector products (decode), reading each weight row once; above,
 /// as a packed GEMM (prefill).
@@ -310,22 +336,37 @@ const GEMV_BLOCK: usize = 64;
 
 /// `y = x · wᵀ`: `x: [t, k]`, `w: [n, k]` -> `y: [t, n]`, f32.
 pub fn matmul_transposed(x: &[f32], t: usize, w: &[f32], n: usize, k: usize) -> Vec<f32> {
+    let mut y = vec![0.0f32; t * n];
+    matmul_transposed_into(x, t, w, n, k, &mut y, &mut Vec::new());
+    y
+}
+
+/// [`matmul_transposed`] into `y: [t, n]`, `scratch` reused (see
+/// [`Linear::forward_into`]).
+fn matmul_transposed_into(
+    x: &[f32],
+    t: usize,
+    w: &[f32],
+    n: usize,
+    k: usize,
+    y: &mut [f32],
+    scratch: &mut Vec<f32>,
+) {
     assert_eq!(x.len(), t * k, "matmul_transposed: x is not [t, k]");
     assert_eq!(w.len(), n * k, "matmul_transposed: w is not [n, k]");
     if t == 0 {
-        return vec![];
+        return;
     }
     if t <= GEMV_MAX_ROWS {
-        // yt: [n, t], one block of weight rows per task, then transposed.
-        let mut yt = vec![0.0f32; n * t];
-        yt.par_chunks_mut(GEMV_BLOCK * t)
-            .zip(w.par_chunks(GEMV_BLOCK * k))
-            .for_each(|(yt, w)| gemv_block(x, t, k, w, yt));
-        return transpose(yt, n, t);
+        // One block of weight rows per task.
+        gemv_into(t, n, y, scratch, |yt| {
+            yt.par_chunks_mut(GEMV_BLOCK * t)
+                .zip(w.par_chunks(GEMV_BLOCK * k))
+                .for_each(|(yt, w)| gemv_block(x, t, k, w, yt))
+        });
+        return;
     }
-    let mut y = vec![0.0f32; t * n];
-    gemm_xwt_into(x, t, k, w, n, &mut y, 0, n);
-    y
+    gemm_xwt_into(x, t, k, w, n, y, 0, n);
 }
 
 /// `yt[j, i] = x_i · w_j` for the weight rows `w: [rows, k]` of one block.
@@ -389,6 +430,12 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     let mut y = x.to_vec();
     rms_norm_inplace(&mut y, w, eps);
     y
+}
+
+/// [`rms_norm`] of `x` into `y` (same length).
+pub fn rms_norm_into(x: &[f32], w: &[f32], eps: f32, y: &mut [f32]) {
+    y.copy_from_slice(x);
+    rms_norm_inplace(y, w, eps);
 }
 
 /// In-place [`rms_norm`] over rows of length `w.len()`.
@@ -491,7 +538,8 @@ mod tests {
                 let x: Vec<f32> = (0..t * k).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
                 let mut w = vec![f32::NAN; n * k];
                 crate::quant::dequantize("w", ty, &data, k, &mut w).expect("dequantize");
-                let got = matmul_quantized(&x, t, ty, &data, n, k);
+                let mut got = vec![0.0f32; t * n];
+                matmul_quantized_into(&x, t, ty, &data, n, k, &mut got, &mut Vec::new());
                 let want = matmul_transposed(&x, t, &w, n, k);
                 for i in 0..t {
                     for j in 0..n {

@@ -9,9 +9,9 @@
 mod tiny;
 
 use te_cache::CacheLayout;
-use te_models::generate::{generate, Control, GenerationConfig, GenerationRequest};
+use te_models::engine::{EngineConfig, Request};
+use te_models::generate::{generate, Control};
 use te_models::model::Logits;
-use te_models::sampling::SamplingParams;
 use tiny::{
     assert_rows_match, chunked, max_abs_diff, ragged, run_schedule, Checkpoint, Rng, RopeScaling,
     Spec, Storage, WindowEncoding,
@@ -324,20 +324,19 @@ fn gemma3_greedy_generation_past_the_window_matches_f64_reference() {
         }
         expected.push(tokens[prompt.len()..].to_vec());
     }
-    let requests: Vec<GenerationRequest> = prompts
+    let requests: Vec<Request> = prompts
         .iter()
-        .map(|p| GenerationRequest {
-            prompt_tokens: p.clone(),
-            max_new_tokens: new_tokens,
-            sampling: SamplingParams::default(),
+        .map(|p| Request {
             ignore_eos: true,
+            ..Request::new(p.clone(), new_tokens)
         })
         .collect();
-    let config = GenerationConfig {
+    let config = EngineConfig {
         max_batch_size: 2,
         prefill_chunk: 7,
         max_step_tokens: 10,
         page_size: 4,
+        ..EngineConfig::default()
     };
     let out = generate(&model, &requests, &config, |_, _| Control::Continue).expect("generate");
     for (i, (o, want)) in out.iter().zip(&expected).enumerate() {

@@ -57,7 +57,15 @@ pub fn save_kv_cuda<T: CudaElement>(
     step: &KvStep,
 ) -> Result<(), KernelError> {
     let mut pairs = Vec::new();
-    plan_save(k.len(), v.len(), k_cache.len(), v_cache.len(), layout, step, &mut pairs)?;
+    plan_save(
+        k.len(),
+        v.len(),
+        k_cache.len(),
+        v_cache.len(),
+        layout,
+        step,
+        &mut pairs,
+    )?;
     if pairs.is_empty() {
         return Ok(());
     }
