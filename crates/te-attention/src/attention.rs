@@ -282,7 +282,7 @@ pub(crate) struct Plan {
     pub q_rows: usize,
 }
 
-fn lengths_from_cu(
+pub(crate) fn lengths_from_cu(
     arg: &'static str,
     cu: Option<&[i32]>,
     batch: usize,
