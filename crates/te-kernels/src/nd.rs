@@ -70,9 +70,13 @@ use crate::{
 /// `batch` = 0 (thd's batch comes from `cu_seqlens`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Axes {
+    /// `b` (0 for thd).
     pub batch: usize,
+    /// `s` (bshd/sbhd) or `t` (thd).
     pub seq: usize,
+    /// `h`.
     pub heads: usize,
+    /// `d`.
     pub dim: usize,
 }
 
@@ -233,6 +237,7 @@ pub struct NdRopeArgs<'a> {
     /// How the view's axes are read: bshd `[b, s, h, d]`, sbhd `[s, b, h,
     /// d]`, thd `[t, h, d]`.
     pub format: QkvFormat,
+    /// Which elements are rotated together (half-split or interleaved).
     pub convention: RopeConvention,
     /// thd: `[b + 1]` i32, non-decreasing, `cu_seqlens[0] = 0`, and
     /// `cu_seqlens[b] <= t` (rows past it are left alone); `&[]` for
@@ -241,9 +246,9 @@ pub struct NdRopeArgs<'a> {
     /// `[b]` i32 `>= 0`: position of each sequence's first token; `&[]`
     /// means all 0.
     pub start_positions: &'a [i32],
-    /// Context-parallel world size (1: none) and this rank; positions as in
-    /// [`RopeArgs`].
+    /// Context-parallel world size (1: none); positions as in [`RopeArgs`].
     pub cp_size: usize,
+    /// This rank, `< cp_size`.
     pub cp_rank: usize,
 }
 
@@ -318,16 +323,16 @@ pub fn apply_rope<T: Element, D: Dimension>(
     args: &NdRopeArgs<'_>,
 ) -> Result<(), KernelError> {
     let a = axes(ROPE, "x", args.format, x.shape())?;
-    let Some(strides) = strides_of(args.format, x.shape(), x.strides()) else {
-        let rope = args.rope_args(a, None);
-        // Validate before copying.
-        rope.plan(table.rotary_dim(), table.max_positions())?;
-        return with_standard_mut(&mut x, true, |x| apply_rope_cpu(x, table, &rope));
-    };
-    let rope = args.rope_args(a, Some(strides));
+    let strides = strides_of(args.format, x.shape(), x.strides());
+    let rope = args.rope_args(a, strides);
+    // Everything is validated before any copy.
     let plan = rope.plan(table.rotary_dim(), table.max_positions())?;
     if args.format == QkvFormat::Thd {
         expect_rows(ROPE, "x", args.cu_seqlens, a)?;
+    }
+    if strides.is_none() {
+        let rope = args.rope_args(a, None);
+        return with_standard_mut(&mut x, true, |x| apply_rope_cpu(x, table, &rope));
     }
     check_no_overlap(&rope, &plan)?;
     let p = x.as_mut_ptr();

@@ -254,6 +254,20 @@ fn rope_wrong_rank_and_shape_are_errors_naming_the_argument() {
             got: vec![2, 3, 8],
         }
     );
+    // The same through the copying path (a reversed, negative-stride view).
+    let mut rev = x.view_mut();
+    rev.invert_axis(Axis(0));
+    let err = nd::apply_rope(
+        rev,
+        &t,
+        &NdRopeArgs::new(QkvFormat::Thd, RopeConvention::HalfSplit).with_cu_seqlens(&[0, 5]),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, KernelError::ShapeMismatch { arg: "x", got, .. } if got == &[2, 3, 8]),
+        "{err:?}"
+    );
+    assert!(x.iter().all(|&v| v == 1.0), "nothing written on error");
     // Out-of-place output of the wrong shape.
     let x = Array4::<f32>::ones((2, 3, 1, 8));
     let mut out = Array4::<f32>::zeros((3, 2, 1, 8));
