@@ -1,5 +1,5 @@
 //! End-to-end checks of Gemma 3 270M (GGUF Q4_K_M, gemma3 architecture)
-//! against `../shared/refs/gemma3-270m`: exact greedy tokens of an
+//! against `tests/refs/gemma3-270m`: exact greedy tokens of an
 //! exact-math forward pass, top-20 logits, tokenizer ids.
 
 mod common;

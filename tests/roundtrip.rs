@@ -224,7 +224,7 @@ fn inspect_reports_config_dtypes_tokenizer_and_memory() {
     assert_eq!(c["vocab_size"], 49152);
     assert_eq!(c["rope_theta"], 100000.0);
     assert_eq!(c["rms_norm_eps"], 1e-5);
-    // shared/refs/README.md: Q4_1 matrices, Q8_0 token_embd, F32 norms
+    // tests/refs/README.md: Q4_1 matrices, Q8_0 token_embd, F32 norms
     // (30 layers x 7 matrices; 30 x 2 + 1 norms).
     let d = &o["tensor_dtypes"];
     assert_eq!(

@@ -1,5 +1,5 @@
 //! End-to-end checks of SmolLM2-135M (GGUF Q4_1, llama architecture)
-//! against `../shared/refs/smollm2-135m`: exact greedy tokens of an
+//! against `tests/refs/smollm2-135m`: exact greedy tokens of an
 //! exact-math forward pass, top-20 logits, tokenizer ids, bad input.
 
 mod common;

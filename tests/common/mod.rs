@@ -1,5 +1,5 @@
 //! Helpers shared by the end-to-end tests: the reference files in
-//! `../shared/refs` and the `te` binary.
+//! `tests/refs` (see its README) and the `te` binary.
 
 #![allow(dead_code)]
 
@@ -9,16 +9,18 @@ use std::process::Command;
 use serde_json::Value;
 use te_models::model::Logits;
 
-/// `../shared/refs/<model>` beside the workspace (or `$TE_REFS/<model>`).
+/// `tests/refs/<model>` in the repository (or `$TE_REFS/<model>`).
 pub fn refs_dir(model: &str) -> PathBuf {
     let base = match std::env::var_os("TE_REFS") {
         Some(p) => PathBuf::from(p),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/refs"),
+        // CARGO_MANIFEST_DIR is crates/te-cli.
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/refs"),
     };
     let dir = base.join(model);
     assert!(
         dir.is_dir(),
-        "reference directory {} is missing (set TE_REFS to shared/refs)",
+        "reference directory {} is missing (the repository has them in tests/refs; \
+         TE_REFS, if set, must hold the same <model>/ folders)",
         dir.display()
     );
     dir

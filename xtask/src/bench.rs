@@ -36,8 +36,8 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     }
     if wanted("models") {
         crate::fetch_models::run(&[])?;
-        println!("## Models (tokens/s, 2 threads for llama.cpp)\n");
-        println!("| model | test | te-rs tok/s | llama.cpp tok/s |\n|---|---|---|---|");
+        println!("## Models (tokens/s)\n");
+        println!("| model | test | te-rs tok/s |\n|---|---|---|");
         for row in crate::bench_models::run(&["smollm2-135m", "gemma3-270m"])? {
             println!("{row}");
         }

@@ -1,6 +1,7 @@
 //! Model throughput: prompt processing (a 128-token prompt) and generation
-//! (64 new tokens, greedy) on each known model, next to llama.cpp's
-//! `llama-bench -t 2` figures from `../shared/refs/<model>/llamacpp_bench.json`.
+//! (64 new tokens, greedy) on each known model. No peer column: figures
+//! recorded on another machine are not comparable, and a llama.cpp run in
+//! the same session is still to come (`cargo xtask bench --vs-llama-cpp`).
 
 use std::time::Instant;
 
@@ -9,17 +10,7 @@ use te_models::engine::{EngineConfig, Request};
 use te_models::generate::{generate, Control};
 use te_models::model::Logits;
 
-/// llama.cpp's tokens/s for (n_prompt, n_gen), if the reference file has it.
-fn llamacpp(model: &str, n_prompt: u64, n_gen: u64) -> Option<f64> {
-    let path = crate::workspace_root().join(format!("../shared/refs/{model}/llamacpp_bench.json"));
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
-    v.as_array()?
-        .iter()
-        .find(|r| r["n_prompt"].as_u64() == Some(n_prompt) && r["n_gen"].as_u64() == Some(n_gen))
-        .and_then(|r| r["avg_ts"].as_f64())
-}
-
-/// Markdown rows: `| model | test | te-rs tok/s | llama.cpp tok/s |`.
+/// Markdown rows: `| model | test | te-rs tok/s |`.
 pub fn run(models: &[&str]) -> anyhow::Result<Vec<String>> {
     let mut rows = Vec::new();
     for &name in models {
@@ -53,15 +44,8 @@ pub fn run(models: &[&str]) -> anyhow::Result<Vec<String>> {
             Control::Continue
         })?;
         let tg = 64.0 / (last - first.expect("tokens were generated")).as_secs_f64();
-        let fmt = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.1}"));
-        rows.push(format!(
-            "| {name} | pp128 | {pp:.1} | {} |",
-            fmt(llamacpp(name, 128, 0))
-        ));
-        rows.push(format!(
-            "| {name} | tg64 | {tg:.1} | {} |",
-            fmt(llamacpp(name, 0, 64))
-        ));
+        rows.push(format!("| {name} | pp128 | {pp:.1} |"));
+        rows.push(format!("| {name} | tg64 | {tg:.1} |"));
     }
     Ok(rows)
 }

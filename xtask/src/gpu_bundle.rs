@@ -5,7 +5,9 @@
 //! Builds the test executables of te-kernels `cuda_parity` and
 //! te-attention `gpu_parity` in release, copies them into
 //! `target/gpu-bundle/` with `run.sh`, which runs each with
-//! `TE_REQUIRE_GPU=1` (no GPU is a failure, not a skip), writes the logs
+//! `--include-ignored` (the device tests are `#[ignore]`d for machines
+//! without a GPU) and `TE_REQUIRE_GPU=1` (no GPU is a failure, not a
+//! skip), writes the logs
 //! to `$OUT` (or the bundle folder) and exits non-zero if any failed. The
 //! kernels are compiled at run time by the machine's NVRTC (found on
 //! `LD_LIBRARY_PATH`; the script adds the CUDA toolkit's and the pip
@@ -16,11 +18,7 @@ use std::process::Command;
 
 use anyhow::{bail, Context};
 
-/// `(package, test target)` of every GPU test.
-const GPU_TESTS: [(&str, &str); 2] = [
-    ("te-kernels", "cuda_parity"),
-    ("te-attention", "gpu_parity"),
-];
+use crate::test::GPU_TESTS;
 
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs the te-rs GPU parity tests built by `cargo xtask gpu-bundle`.
@@ -46,7 +44,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 status=0
 for t in TESTS; do
   echo "== $t"
-  "$here/$t" --test-threads=1 2>&1 | tee "$out/$t.log"
+  # The device tests are #[ignore]d (they need a GPU): run them too.
+  "$here/$t" --include-ignored --test-threads=1 2>&1 | tee "$out/$t.log"
   rc=${PIPESTATUS[0]}
   echo "== $t: exit $rc"
   [ "$rc" -eq 0 ] || status=1

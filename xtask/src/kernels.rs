@@ -44,6 +44,13 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     }
 }
 
+/// NVRTC's lib dir from the wheel a previous `cargo xtask kernels`
+/// unpacked into `$TE_HOME/cuda`, if it is there (nothing is downloaded).
+pub fn cached_nvrtc_lib_dir() -> Option<PathBuf> {
+    let dir = te_home().join("cuda/unpacked/nvidia/cuda_nvrtc/lib");
+    dir.join("libnvrtc.so.12").exists().then_some(dir)
+}
+
 /// `$TE_HOME`, default `~/.cache/te`.
 fn te_home() -> PathBuf {
     match std::env::var_os("TE_HOME") {

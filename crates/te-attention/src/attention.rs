@@ -296,7 +296,7 @@ pub struct AttentionWorkspace {
     cpu: crate::cpu::CpuBuffers,
 }
 
-fn lengths_from_cu(
+pub(crate) fn lengths_from_cu(
     arg: &'static str,
     cu: Option<&[i32]>,
     batch: usize,

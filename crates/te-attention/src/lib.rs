@@ -10,7 +10,9 @@
 //! [`KvInput`], [`AttnMetadata`] (per-step lengths), [`AttnMaskType`],
 //! [`AttentionError`]; [`merge`] combines partial results by LSE. The same
 //! op runs on the GPU with [`DotProductAttention::forward_cuda`] ([`cuda`],
-//! `kernels/attention.cu`).
+//! `kernels/attention.cu`). [`DotProductAttention::forward_nd`] ([`nd`])
+//! takes Q, K, V and the outputs as `ndarray` views instead, with every
+//! shape read from the views ([`ndarray`] is re-exported).
 //!
 //! ```text
 //! s_ij  = softmax_scale * q_i · k_j        (then cap * tanh(s / cap))
@@ -28,8 +30,11 @@ pub mod cuda;
 pub mod error;
 pub mod mask;
 pub mod merge;
+pub mod nd;
 mod simd;
 mod tile_math;
+
+pub use ndarray;
 
 pub use attention::{AttentionWorkspace, AttnMetadata, DotProductAttention, KvInput};
 pub use error::AttentionError;

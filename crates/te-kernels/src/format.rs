@@ -34,6 +34,41 @@ impl QkvFormat {
     }
 }
 
+impl QkvFormat {
+    /// Lowercase name (`"bshd"`, `"sbhd"`, `"thd"`), as parsed by `from_str`.
+    pub fn name(self) -> &'static str {
+        match self {
+            QkvFormat::Bshd => "bshd",
+            QkvFormat::Sbhd => "sbhd",
+            QkvFormat::Thd => "thd",
+        }
+    }
+
+    /// The shape in the crate's alphabet: `"[b, s, h, d]"`, `"[s, b, h, d]"`
+    /// or `"[t, h, d]"`.
+    pub fn shape_name(self) -> &'static str {
+        match self {
+            QkvFormat::Bshd => "[b, s, h, d]",
+            QkvFormat::Sbhd => "[s, b, h, d]",
+            QkvFormat::Thd => "[t, h, d]",
+        }
+    }
+
+    /// Number of axes of a tensor in this format (4, or 3 for thd).
+    pub fn rank(self) -> usize {
+        match self {
+            QkvFormat::Thd => 3,
+            QkvFormat::Bshd | QkvFormat::Sbhd => 4,
+        }
+    }
+}
+
+impl std::fmt::Display for QkvFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 impl std::str::FromStr for QkvFormat {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {

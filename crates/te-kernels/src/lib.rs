@@ -19,6 +19,10 @@
 //! - [`save_kv_cpu`]: a step's new K and V into a contiguous or paged cache;
 //! - [`convert_thd_to_bshd`] / [`convert_bshd_to_thd`].
 //!
+//! The same CPU ops take `ndarray` views in [`nd`] (shapes and strides read
+//! from the views, sliced and permuted views accepted); [`ndarray`] is
+//! re-exported so callers use the same version.
+//!
 //! Invariants: te-kernels knows nothing of models, caches' bookkeeping or
 //! attention; every op validates its arguments up front and returns
 //! [`KernelError`] naming the offending argument, never panics on bad input.
@@ -29,7 +33,10 @@ pub mod error;
 pub mod format;
 pub mod kv_save;
 pub mod kv_view;
+pub mod nd;
 pub mod rope;
+
+pub use ndarray;
 
 pub use element::{DType, Element};
 pub use error::KernelError;

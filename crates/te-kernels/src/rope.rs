@@ -534,7 +534,7 @@ unsafe impl<T: Send> Sync for SharedMut<T> {}
 /// # Safety
 /// Every element addressed must be in bounds of its allocation, and distinct
 /// `(token, head, elem)` must map to distinct `dst` addresses.
-unsafe fn rope_rows<T: Element>(
+pub(crate) unsafe fn rope_rows<T: Element>(
     src: *const T,
     dst: SharedMut<T>,
     src_strides: TensorStrides,

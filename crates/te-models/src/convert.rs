@@ -7,7 +7,7 @@
 //! convention, see below), same weights (exactly, with [`OutputDtype::F32`]),
 //! same tokenizer.
 //!
-//! Two facts of the GGUF layout are undone (shared/refs/README.md):
+//! Two facts of the GGUF layout are undone (tests/refs/README.md):
 //! - GGUF llama files store the rows of `attn_q` and `attn_k` permuted per
 //!   head so that interleaved ("adjacent pairs") RoPE on them equals
 //!   half-split ("rotate_half") RoPE on the original weights: within a head

@@ -2,7 +2,7 @@
 //! (`<arch>.block_count`, ...) and the file as a [`TensorSource`].
 //!
 //! Facts not stored in GGUF come from the reference implementations (see
-//! shared/refs/README.md): Gemma 3 layer `i` is sliding when `i % 6 < 5`
+//! tests/refs/README.md): Gemma 3 layer `i` is sliding when `i % 6 < 5`
 //! and its local layers use RoPE base 10000; Gemma 2 alternates, even
 //! layers sliding; GGUF llama files store Q/K rows permuted so that
 //! interleaved RoPE on them equals half-split RoPE on the original weights.

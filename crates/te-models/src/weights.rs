@@ -166,7 +166,7 @@ impl ModelWeights {
     ///
     /// `norm_offset` is added to every norm weight: 1.0 for Gemma weights in
     /// Hugging Face files (which store `w` of `(1 + w)`), 0.0 otherwise
-    /// (GGUF Gemma files store `1 + w` already; see shared/refs/README.md).
+    /// (GGUF Gemma files store `1 + w` already; see tests/refs/README.md).
     pub fn load(
         src: &dyn TensorSource,
         scheme: NameScheme,

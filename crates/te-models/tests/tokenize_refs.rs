@@ -1,6 +1,6 @@
 //! Tokenizers built from the real GGUF files must reproduce llama.cpp's
 //! token ids exactly (`tokenize.jsonl` and the prompts of `greedy.jsonl` in
-//! `../shared/refs/<model>`, or `$TE_REFS/<model>`).
+//! `tests/refs/<model>` of the repository, or `$TE_REFS/<model>`).
 //!
 //! The models come from `$TE_HOME` (see `te_models::hub`); a missing model
 //! fails the test with the command that fetches it.
@@ -27,12 +27,12 @@ fn model_path(name: &str) -> PathBuf {
 fn refs(model: &str, file: &str) -> Vec<Value> {
     let base = match std::env::var_os("TE_REFS") {
         Some(p) => PathBuf::from(p),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/refs"),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/refs"),
     };
     let path = base.join(model).join(file);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
         panic!(
-            "{}: {e} (set TE_REFS to the shared/refs directory)",
+            "{}: {e} (the repository has it in tests/refs; TE_REFS overrides that)",
             path.display()
         )
     });
