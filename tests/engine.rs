@@ -114,12 +114,13 @@ fn memory_pressure(model_name: &str) {
         .unwrap();
         alone.extend(run(&mut engine, std::slice::from_ref(r)));
     }
-    // Together, in a pool of a quarter of what they need.
+    // Together, in a pool of a quarter of what they need (8 at a time: the
+    // decode products of up to 8 rows read each weight row once).
     let mut engine = Engine::new(
         &loaded.model,
         Some(&loaded.tokenizer),
         EngineConfig {
-            max_batch_size: 16,
+            max_batch_size: 8,
             kv_cache_tokens: Some(need / 4),
             ..EngineConfig::default()
         },
