@@ -76,7 +76,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(path) = &args.prompt_file {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading prompt file {}", path.display()))?;
-        prompts.extend(text.lines().filter(|l| !l.is_empty()).map(str::to_string));
+        prompts.extend(
+            text.lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(str::to_string),
+        );
     }
     if prompts.is_empty() {
         match &args.prompt_file {
@@ -137,7 +141,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             stopped_text: None,
         })
         .collect();
-    let mut stdout = std::io::stdout().lock();
+    let mut stdout = crate::stdout();
     let mut decode_error = None;
     let outputs = generate(&loaded.model, &requests, &config, |i, tok| {
         let s = &mut streams[i];
