@@ -34,10 +34,12 @@
 //!
 //! # Cost
 //!
-//! Greedy is one pass over the logits (no copy). Sampling makes two passes,
+//! Greedy is two passes over the logits that vectorize (the max, then the
+//! first id holding it), no copy. Sampling makes two passes,
 //! keeps the tokens of nonzero probability in a candidate buffer, selects
-//! top-k with `select_nth_unstable_by` and sorts only as much of the
-//! ranking as top-p and the draw walk through (in chunks that double). The
+//! top-k with `select_nth_unstable_by`, and finds the top-p prefix and the
+//! drawn token by a weighted quickselect (expected linear time, sorting
+//! only the last few dozen candidates); nothing sorts the vocabulary. The
 //! candidate buffer and the history bitmap live in the [`Sampler`] and are
 //! reused: no allocation per token after the first.
 
@@ -120,22 +122,42 @@ fn rank(a: &Candidate, b: &Candidate) -> Ordering {
         .then(a.id.cmp(&b.id))
 }
 
-/// Sorts `cand` so that `cand[..want]` holds the first `want` candidates
-/// in rank order, given that `cand[..*sorted]` already does. Grows the
-/// sorted prefix at least twofold (from 32) so that a walk costs a few
-/// selections, not one per step.
-fn ensure_sorted(cand: &mut [Candidate], sorted: &mut usize, want: usize) {
-    if want <= *sorted {
-        return;
+/// Candidates below which [`prefix_reaching`] sorts instead of selecting.
+const SORT_BELOW: usize = 64;
+
+/// The length `k` of the shortest prefix of the ranking of `cand` whose
+/// weights sum to at least `target`, with `cand` rearranged so that
+/// `cand[..k]` are those `k` candidates and `cand[k - 1]` is the last of
+/// them in rank order; `None` (and `cand` in any order) when all of
+/// `cand` sums to less.
+///
+/// A weighted quickselect: split around the median by rank, keep the half
+/// the target falls in. Expected cost a few passes over `cand`, however
+/// deep in the ranking the target lies (a full sort would be
+/// `n log n`; sorting chunk after chunk worse still on flat
+/// distributions).
+fn prefix_reaching(cand: &mut [Candidate], target: f64) -> Option<usize> {
+    // cand[..lo] rank above cand[lo..hi] and sum to `acc` < target.
+    let (mut lo, mut hi, mut acc) = (0, cand.len(), 0.0f64);
+    while hi - lo > SORT_BELOW {
+        let mid = lo + (hi - lo) / 2;
+        cand[lo..hi].select_nth_unstable_by(mid - lo, rank);
+        let upper: f64 = cand[lo..=mid].iter().map(|c| c.w as f64).sum();
+        if acc + upper >= target {
+            hi = mid + 1;
+        } else {
+            acc += upper;
+            lo = mid + 1;
+        }
     }
-    let target = want.max(*sorted * 2).max(32).min(cand.len());
-    let rest = &mut cand[*sorted..];
-    let m = target - *sorted;
-    if m < rest.len() {
-        rest.select_nth_unstable_by(m - 1, rank);
+    cand[lo..hi].sort_unstable_by(rank);
+    for (i, c) in cand[lo..hi].iter().enumerate() {
+        acc += c.w as f64;
+        if acc >= target {
+            return Some(lo + i + 1);
+        }
     }
-    rest[..m].sort_unstable_by(rank);
-    *sorted = target;
+    None
 }
 
 /// The repetition penalty of one logit (see the module rules).
@@ -191,19 +213,19 @@ impl Sampler {
                 }
             }
         }
-        let bits: &[u64] = if use_penalty { &self.history_bits } else { &[] };
-        let effective = |i: usize, l: f32| -> f32 {
-            if use_penalty && (bits[i >> 6] >> (i & 63)) & 1 == 1 {
-                penalize(l, penalty)
-            } else {
-                l
-            }
-        };
-        let id = if self.params.temperature == 0.0 {
-            greedy(logits, effective)
+        // Two monomorphized paths: the plain one has no bitmap test per logit.
+        let (params, rng, cand) = (&self.params, &mut self.rng, &mut self.cand);
+        let id = if use_penalty {
+            let bits = &self.history_bits;
+            pick(params, rng, cand, logits, |i: usize, l: f32| {
+                if (bits[i >> 6] >> (i & 63)) & 1 == 1 {
+                    penalize(l, penalty)
+                } else {
+                    l
+                }
+            })
         } else {
-            let (params, rng, cand) = (&self.params, &mut self.rng, &mut self.cand);
-            draw(params, rng, cand, logits, effective)
+            pick(params, rng, cand, logits, |_, l| l)
         };
         if use_penalty {
             for &t in history {
@@ -217,21 +239,37 @@ impl Sampler {
     }
 }
 
+/// Greedy or sampled, by the temperature, over the logits that
+/// `effective` gives.
+fn pick(
+    params: &SamplingParams,
+    rng: &mut rand::rngs::StdRng,
+    cand: &mut Vec<Candidate>,
+    logits: &[f32],
+    effective: impl Fn(usize, f32) -> f32,
+) -> u32 {
+    if params.temperature == 0.0 {
+        greedy(logits, effective)
+    } else {
+        draw(params, rng, cand, logits, effective)
+    }
+}
+
 /// Greedy choice over the effective logits: the largest non-NaN value,
 /// lowest id among equals; 0 when there is none.
 fn greedy(logits: &[f32], effective: impl Fn(usize, f32) -> f32) -> u32 {
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &l) in logits.iter().enumerate() {
-        let z = effective(i, l);
-        if z.is_nan() {
-            continue;
-        }
-        match best {
-            Some((_, b)) if z <= b => {}
-            _ => best = Some((i, z)),
-        }
-    }
-    best.map_or(0, |(i, _)| i as u32)
+    // Two passes that vectorize: the max (`f32::max` skips NaN), then the
+    // first id holding it (-0.0 == 0.0).
+    let max = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| effective(i, l))
+        .fold(f32::NEG_INFINITY, f32::max);
+    logits
+        .iter()
+        .enumerate()
+        .position(|(i, &l)| effective(i, l) == max)
+        .map_or(0, |i| i as u32)
 }
 
 /// Sampling with `params.temperature > 0` (the module's steps 1 to 4).
@@ -242,20 +280,14 @@ fn draw(
     logits: &[f32],
     effective: impl Fn(usize, f32) -> f32,
 ) -> u32 {
-    // Pass 1: the largest effective logit.
-    let mut z_max = f32::NEG_INFINITY;
-    let mut any = false;
-    for (i, &l) in logits.iter().enumerate() {
-        let z = effective(i, l);
-        if !z.is_nan() {
-            any = true;
-            if z > z_max {
-                z_max = z;
-            }
-        }
-    }
-    if !any || z_max == f32::NEG_INFINITY {
-        // Nothing has a probability: the greedy rule decides.
+    // Pass 1: the largest effective logit (`f32::max` skips NaN).
+    let z_max = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| effective(i, l))
+        .fold(f32::NEG_INFINITY, f32::max);
+    if z_max == f32::NEG_INFINITY {
+        // Nothing has a probability (all -inf or NaN): the greedy rule.
         return greedy(logits, effective);
     }
     // Pass 2: every token of nonzero probability.
@@ -290,7 +322,6 @@ fn draw(
         }
     }
     // Top-k: the first k of the ranking (the max is always among them).
-    let mut sorted = 0;
     if params.top_k > 0 && params.top_k < cand.len() {
         cand.select_nth_unstable_by(params.top_k - 1, rank);
         cand.truncate(params.top_k);
@@ -304,29 +335,18 @@ fn draw(
     // Top-p: the shortest prefix of the ranking reaching top_p.
     let mut keep = cand.len();
     if params.top_p < 1.0 {
-        let mut acc = 0.0f64;
-        for i in 0..cand.len() {
-            ensure_sorted(cand, &mut sorted, i + 1);
-            acc += cand[i].w as f64 / total;
-            if acc >= params.top_p as f64 {
-                keep = i + 1;
-                break;
-            }
+        if let Some(k) = prefix_reaching(cand, params.top_p as f64 * total) {
+            keep = k;
         }
     }
-    let kept_total: f64 = cand[..keep].iter().map(|c| c.w as f64).sum();
+    let kept = &mut cand[..keep];
+    let kept_total: f64 = kept.iter().map(|c| c.w as f64).sum();
     let u: f32 = rng.gen();
-    let mut r = u as f64 * kept_total;
-    for i in 0..keep {
-        ensure_sorted(cand, &mut sorted, i + 1);
-        r -= cand[i].w as f64;
-        if r <= 0.0 {
-            return cand[i].id;
-        }
+    match prefix_reaching(kept, u as f64 * kept_total) {
+        Some(k) => kept[k - 1].id,
+        // Rounding left a sliver past the last kept token: take it.
+        None => kept.iter().max_by(|a, b| rank(a, b)).map_or(0, |c| c.id),
     }
-    // Rounding left a sliver past the last kept token.
-    ensure_sorted(cand, &mut sorted, keep);
-    cand[keep - 1].id
 }
 
 /// Index of the largest logit (the lowest index among equals), NaN
