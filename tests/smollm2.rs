@@ -247,3 +247,224 @@ fn chat_prompts_use_the_models_template() {
     ]);
     assert!(!ok && stderr.contains("--chat"), "{stderr}");
 }
+
+/// Issue 15, reproducer 1: tiny temperatures (with and without top-k) give
+/// the greedy tokens (" Paris.\n\n"), not garbage from logits overflowing
+/// to inf / NaN; greedy itself is checked against the reference elsewhere.
+#[test]
+fn tiny_temperatures_give_the_greedy_tokens() {
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "--model",
+            MODEL,
+            "--prompt",
+            "The capital of France is",
+            "--max-new-tokens",
+            "4",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        te_json(&args).remove(0)
+    };
+    let greedy = run(&[]);
+    assert_eq!(greedy["text"], " Paris.\n\n", "{greedy}");
+    for extra in [
+        &["--temperature=1e-38"][..],
+        &["--temperature=1e-45"],
+        &["--temperature=1e-38", "--top-k", "5"],
+        &["--temperature=1e-38", "--top-p", "0.5", "--min-p", "0.1"],
+    ] {
+        assert_eq!(run(extra)["tokens"], greedy["tokens"], "{extra:?}");
+    }
+}
+
+/// Issue 15, reproducers 3 and 8: output errors and small CLI defects.
+#[test]
+fn output_errors_and_cli_edge_cases() {
+    use std::process::{Command, Stdio};
+    // A full disk: one error line, exit 1, no panic.
+    if std::path::Path::new("/dev/full").exists() {
+        let out = Command::new(env!("CARGO_BIN_EXE_te"))
+            .args(["tokenize", "--model", MODEL, "--text", "hi"])
+            .stdout(std::fs::File::create("/dev/full").unwrap())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.starts_with("error: writing to stdout") && stderr.lines().count() == 1,
+            "{stderr}"
+        );
+    }
+    // A reader that goes away: exit 1 quietly. The output (100000 digit
+    // tokens) is far larger than a pipe's buffer, so te must meet the
+    // closed pipe.
+    let digits = "1".repeat(100_000);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_te"))
+        .args(["tokenize", "--model", MODEL, "--text", &digits])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(stderr.is_empty(), "a broken pipe is quiet: {stderr}");
+    // --repeat-penalty inf: the message says what is wrong.
+    let (ok, _, stderr) = te(&[
+        "generate",
+        "--model",
+        MODEL,
+        "--prompt",
+        "hi",
+        "--repeat-penalty",
+        "inf",
+    ]);
+    assert!(
+        !ok && stderr.contains("repetition_penalty inf must be a finite number > 0"),
+        "{stderr}"
+    );
+    // A --prompt-file line of only spaces is skipped like a blank one.
+    let path = std::env::temp_dir().join(format!("te-prompts-{}.txt", std::process::id()));
+    std::fs::write(&path, "   \nThe capital of France is\n\t\n").unwrap();
+    let o = te_json(&[
+        "generate",
+        "--model",
+        MODEL,
+        "--prompt-file",
+        path.to_str().unwrap(),
+        "--max-new-tokens",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(o.len(), 1, "{o:?}");
+    assert_eq!(o[0]["prompt"], "The capital of France is");
+    std::fs::write(&path, "   \n\t\n").unwrap();
+    let (ok, _, stderr) = te(&[
+        "generate",
+        "--model",
+        MODEL,
+        "--prompt-file",
+        path.to_str().unwrap(),
+    ]);
+    assert!(!ok && stderr.contains("no non-empty line"), "{stderr}");
+    std::fs::remove_file(&path).unwrap();
+}
+
+/// Issue 15, reproducers 4, 5 and 8 on the real file: a relabelled tensor
+/// type, layer counts and redundant metadata that disagree with the
+/// tensors, and a type generate cannot read: `te generate` and `te
+/// inspect` both refuse, with one line naming the tensors and fields.
+#[test]
+fn inconsistent_real_files_are_refused_by_generate_and_inspect() {
+    let dir = std::env::temp_dir().join(format!("te-inconsistent-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let te_models::hub::ModelSource::Gguf(real) =
+        te_models::hub::resolve_model(MODEL).expect("run `cargo xtask fetch-models`")
+    else {
+        panic!("{MODEL} is a GGUF file")
+    };
+    let real = std::fs::read(real).unwrap();
+    // Byte offset just after a length-prefixed name in the file.
+    let after = |name: &str| {
+        let mut key = (name.len() as u64).to_le_bytes().to_vec();
+        key.extend_from_slice(name.as_bytes());
+        real.windows(key.len())
+            .position(|w| w == key.as_slice())
+            .unwrap_or_else(|| panic!("{name} not in the file"))
+            + key.len()
+    };
+    // A u32 metadata value: type u32 at `after(key)`, value 4 bytes on.
+    let with_u32 = |key: &str, v: u32| {
+        let at = after(key);
+        assert_eq!(real[at..at + 4], 4u32.to_le_bytes(), "{key} is a u32");
+        let mut b = real.clone();
+        b[at + 4..at + 8].copy_from_slice(&v.to_le_bytes());
+        b
+    };
+    // A tensor's type: name, n_dims u32, dims u64 x n, type u32.
+    let with_type = |tensor: &str, ty: u32| {
+        let at = after(tensor);
+        let n_dims = u32::from_le_bytes(real[at..at + 4].try_into().unwrap()) as usize;
+        let type_at = at + 4 + 8 * n_dims;
+        let mut b = real.clone();
+        b[type_at..type_at + 4].copy_from_slice(&ty.to_le_bytes());
+        b
+    };
+    let cases: Vec<(&str, Vec<u8>, Vec<&str>)> = vec![
+        (
+            "f16-relabel.gguf",
+            with_type("blk.3.attn_k.weight", 1),
+            vec![
+                "blk.3.attn_k.weight",
+                "blk.3.attn_output.weight",
+                "overlaps",
+            ],
+        ),
+        (
+            "bf16-relabel.gguf",
+            with_type("blk.3.attn_k.weight", 30),
+            vec!["blk.3.attn_k.weight", "overlaps"],
+        ),
+        (
+            "29-layers.gguf",
+            with_u32("llama.block_count", 29),
+            vec!["llama.block_count", "blk.29."],
+        ),
+        (
+            "1-layer.gguf",
+            with_u32("llama.block_count", 1),
+            vec!["llama.block_count", "blk.1."],
+        ),
+        (
+            "rope-dims.gguf",
+            with_u32("llama.rope.dimension_count", 4294967295),
+            vec!["llama.rope.dimension_count"],
+        ),
+        (
+            "vocab.gguf",
+            with_u32("llama.vocab_size", 1),
+            vec!["llama.vocab_size", "token_embd.weight"],
+        ),
+        (
+            "type-99.gguf",
+            with_type("blk.0.attn_q.weight", 99),
+            vec!["blk.0.attn_q.weight", "id 99"],
+        ),
+    ];
+    for (name, bytes, needles) in cases {
+        let path = dir.join(name);
+        std::fs::write(&path, bytes).unwrap();
+        let p = path.to_str().unwrap();
+        for args in [
+            vec![
+                "generate",
+                "--model",
+                p,
+                "--prompt",
+                "hi",
+                "--max-new-tokens",
+                "1",
+            ],
+            vec!["inspect", "--model", p],
+        ] {
+            let (ok, _, stderr) = te(&args);
+            assert!(!ok, "te {} {name} should fail", args[0]);
+            let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+            assert_eq!(errors.len(), 1, "{name}: {stderr}");
+            assert!(!stderr.contains("panicked"), "{name}: {stderr}");
+            for n in &needles {
+                assert!(
+                    errors[0].contains(n),
+                    "te {} {name}: `{n}` missing from {stderr}",
+                    args[0]
+                );
+            }
+        }
+        std::fs::remove_file(&path).unwrap();
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -62,7 +62,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let start = std::time::Instant::now();
     let s = convert_gguf_to_hf(&path, &args.out, dtype)?;
-    eprintln!(
+    crate::note(format_args!(
         "wrote {} ({} tensors, {} parameters, {}{}{}) in {:.1} s",
         args.out.display(),
         s.tensors,
@@ -79,6 +79,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             ""
         },
         start.elapsed().as_secs_f64()
-    );
+    ));
     Ok(())
 }

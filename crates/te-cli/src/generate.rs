@@ -86,7 +86,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(path) = &args.prompt_file {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading prompt file {}", path.display()))?;
-        prompts.extend(text.lines().filter(|l| !l.is_empty()).map(str::to_string));
+        prompts.extend(
+            text.lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(str::to_string),
+        );
     }
     if prompts.is_empty() {
         match &args.prompt_file {
@@ -124,7 +128,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         ..EngineConfig::default()
     };
     let mut engine = Engine::new(&loaded.model, Some(tokenizer), config)?;
-    eprintln!(
+    crate::note(format_args!(
         "kv cache: {} tokens{}",
         engine.kv_capacity_tokens(),
         if engine.prefix_caching() {
@@ -132,7 +136,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         } else {
             ""
         }
-    );
+    ));
     let mut prompt_tokens = Vec::with_capacity(prompts.len());
     for (i, p) in prompts.iter().enumerate() {
         let ids = if args.chat {
@@ -163,7 +167,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     // Stream text only for a single prompt; several are printed whole.
     let stream_stdout = !args.json && prompts.len() == 1;
     let mut outputs: Vec<Output> = (0..prompts.len()).map(|_| Output::default()).collect();
-    let mut stdout = std::io::stdout().lock();
+    let mut stdout = crate::stdout();
     let start = std::time::Instant::now();
     while engine.has_work() {
         for event in engine.step()? {
@@ -225,7 +229,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "peak_kv_tokens": s.peak_kv_tokens,
             "preemptions": s.preemptions,
         });
-        eprintln!("{line}");
+        crate::note(format_args!("{line}"));
     }
     Ok(())
 }

@@ -2,6 +2,7 @@
 
 use std::io::Write;
 
+use te_models::hub::ModelSource;
 use te_models::inspect::{config_json, inspect};
 
 #[derive(clap::Args)]
@@ -19,12 +20,28 @@ fn mib(bytes: u64) -> String {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let mut out = std::io::stdout().lock();
+    let mut out = crate::stdout();
     let source = te_models::hub::resolve_model(&args.model)?;
     let info = inspect(&source)?;
+    // What `te generate` would refuse: printed after the description,
+    // and the exit status is 1.
+    let refused = || -> anyhow::Result<()> {
+        if info.problems.is_empty() {
+            return Ok(());
+        }
+        let path = match &source {
+            ModelSource::Gguf(p) | ModelSource::HfDir(p) => p.clone(),
+        };
+        Err(te_models::ModelError::Invalid {
+            path,
+            problems: info.problems.clone(),
+        }
+        .into())
+    };
     if args.json {
         writeln!(out, "{}", info.to_json())?;
-        return Ok(());
+        out.flush()?;
+        return refused();
     }
     writeln!(out, "model:        {}", args.model)?;
     writeln!(out, "architecture: {}", info.config.architecture.name())?;
@@ -60,5 +77,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             writeln!(out, "  {k}: {v}")?;
         }
     }
-    Ok(())
+    out.flush()?;
+    refused()
 }

@@ -13,6 +13,8 @@ mod inspect;
 mod perplexity;
 mod tokenize;
 
+use std::io::Write;
+
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -51,10 +53,54 @@ fn main() {
         Command::Perplexity(args) => perplexity::run(args),
     };
     if let Err(e) = result {
-        // One line: the error and its causes.
-        eprintln!("error: {e:#}");
+        // A reader that went away (`te tokenize ... | head -c 1`): exit
+        // quietly, as Unix tools do.
+        if is_broken_pipe(&e) {
+            std::process::exit(1);
+        }
+        // One line: the error and its causes. Nothing to do if stderr
+        // itself cannot be written.
+        let _ = writeln!(std::io::stderr(), "error: {e:#}");
         std::process::exit(1);
     }
+}
+
+/// Whether `e` (or a cause) is a broken pipe.
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
+/// Standard output, locked, whose write errors say "writing to stdout"
+/// (keeping their kind, so a broken pipe is still recognized). Commands
+/// write through it with `writeln!(out, ...)?`: a full disk or a closed
+/// pipe becomes an error, never a panic as `println!` gives.
+pub struct Stdout(std::io::StdoutLock<'static>);
+
+/// [`Stdout`] for this process.
+pub fn stdout() -> Stdout {
+    Stdout(std::io::stdout().lock())
+}
+
+fn stdout_error(e: std::io::Error) -> std::io::Error {
+    std::io::Error::new(e.kind(), format!("writing to stdout: {e}"))
+}
+
+impl Write for Stdout {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.write(buf).map_err(stdout_error)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush().map_err(stdout_error)
+    }
+}
+
+/// A progress note on stderr; a stderr that cannot be written is ignored.
+fn note(text: std::fmt::Arguments) {
+    let _ = writeln!(std::io::stderr(), "{text}");
 }
 
 /// Resolves and loads `--model`, reporting progress on stderr.
@@ -62,12 +108,12 @@ fn load(spec: &str) -> anyhow::Result<te_models::loader::LoadedModel> {
     let source = te_models::hub::resolve_model(spec)?;
     let start = std::time::Instant::now();
     let loaded = te_models::loader::load_model(&source)?;
-    eprintln!(
+    note(format_args!(
         "loaded {} ({}, {} layers) in {:.1} s",
         spec,
         loaded.model.config.architecture.name(),
         loaded.model.config.num_hidden_layers,
         start.elapsed().as_secs_f64()
-    );
+    ));
     Ok(loaded)
 }

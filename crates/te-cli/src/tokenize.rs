@@ -1,5 +1,7 @@
 //! `te tokenize`: text to token ids.
 
+use std::io::Write;
+
 use anyhow::Context;
 
 #[derive(clap::Args)]
@@ -24,11 +26,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let ids = tokenizer
         .encode(&args.text, !args.no_parse_special)
         .with_context(|| format!("tokenizing {:?}", args.text))?;
+    let mut out = crate::stdout();
     if args.json {
-        println!("{}", serde_json::json!({ "text": args.text, "ids": ids }));
+        writeln!(
+            out,
+            "{}",
+            serde_json::json!({ "text": args.text, "ids": ids })
+        )?;
     } else {
         let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
-        println!("{}", ids.join(" "));
+        writeln!(out, "{}", ids.join(" "))?;
     }
+    out.flush()?;
     Ok(())
 }

@@ -100,6 +100,12 @@ pub struct ModelConfig {
     /// Gemma 2/3 norms after attention and after the MLP.
     pub sandwich_norms: bool,
     pub tie_word_embeddings: bool,
+    /// Biases on the q, k, v and o projections (Hugging Face
+    /// `attention_bias`; in GGUF, the presence of `blk.N.attn_*.bias`).
+    pub attention_bias: bool,
+    /// Biases on the gate, up and down projections (Hugging Face
+    /// `mlp_bias`; in GGUF, the presence of `blk.N.ffn_*.bias`).
+    pub mlp_bias: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
@@ -120,6 +126,22 @@ pub fn plausible_size(field: &str, v: usize) -> crate::Result<usize> {
     Ok(v)
 }
 
+/// Most layers a model may have (far above any released model): the
+/// per-layer config and the tensor list are sized by it before the file's
+/// tensors are compared with it.
+pub const MAX_LAYERS: usize = 1 << 14;
+
+/// `v` if it is a plausible layer count for `field` (1..=[`MAX_LAYERS`]).
+pub fn plausible_layers(field: &str, v: usize) -> crate::Result<usize> {
+    if v == 0 || v > MAX_LAYERS {
+        return Err(crate::ModelError::Config {
+            field: field.to_string(),
+            reason: format!("{v} layers is not in 1..={MAX_LAYERS}"),
+        });
+    }
+    Ok(v)
+}
+
 impl ModelConfig {
     /// Query heads per KV head.
     pub fn kv_group(&self) -> usize {
@@ -134,6 +156,7 @@ impl ModelConfig {
                 reason,
             })
         };
+        plausible_layers("num_hidden_layers", self.num_hidden_layers)?;
         for (field, v) in [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),

@@ -140,7 +140,8 @@ pub fn hf_config_json(cfg: &ModelConfig, dtype: OutputDtype) -> Value {
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": eos_json(&cfg.eos_token_ids),
-        "attention_bias": false,
+        "attention_bias": cfg.attention_bias,
+        "mlp_bias": cfg.mlp_bias,
     });
     let act = match cfg.hidden_activation {
         Activation::Silu => "silu",
@@ -284,6 +285,13 @@ enum Values<'a> {
     },
     /// A norm weight; `gemma`: GGUF `1 + w`, written as `w`.
     Norm { v: &'a [f32], gemma: bool },
+    /// A projection bias; `qk_heads: Some(h)`: the bias of a GGUF llama
+    /// Q/K matrix, its rows un-permuted like the matrix's.
+    Bias {
+        v: &'a [f32],
+        qk_heads: Option<usize>,
+        head_dim: usize,
+    },
 }
 
 /// One tensor to write, converted to Hugging Face layout and encoded to the
@@ -309,6 +317,12 @@ impl OutTensor<'_> {
             } => unpermute_rows(&lin.to_f32(), heads, head_dim, lin.in_features),
             Values::Norm { v, gemma: true } => gemma_norm_to_hf(v),
             Values::Norm { v, gemma: false } => v.to_vec(),
+            Values::Bias {
+                v,
+                qk_heads: Some(heads),
+                head_dim,
+            } => unpermute_rows(v, heads, head_dim, 1),
+            Values::Bias { v, .. } => v.to_vec(),
         }
     }
 
@@ -435,6 +449,23 @@ pub fn convert_gguf_to_hf(
             ("down", &l.down_proj, None),
         ] {
             push_matrix(&mut tensors, n(role), lin, qk_heads, d, dtype)?;
+            if let Some(v) = &lin.bias {
+                let values = Values::Bias {
+                    v,
+                    qk_heads,
+                    head_dim: d,
+                };
+                let shape = vec![v.len()];
+                let name = names.layer_bias(i, role);
+                tensors.push((
+                    name,
+                    OutTensor {
+                        shape,
+                        values,
+                        dtype,
+                    },
+                ));
+            }
         }
     }
     push_matrix(
@@ -630,6 +661,8 @@ mod tests {
             qk_norm: false,
             sandwich_norms: true,
             tie_word_embeddings: true,
+            attention_bias: false,
+            mlp_bias: false,
             bos_token_id: Some(2),
             eos_token_ids: vec![1, 107],
         }
@@ -673,6 +706,8 @@ mod tests {
             scale_embedding: false,
             sandwich_norms: false,
             tie_word_embeddings: false,
+            attention_bias: true,
+            mlp_bias: true,
             bos_token_id: Some(200),
             eos_token_ids: vec![201, 209],
             ..gemma2_like()

@@ -22,6 +22,17 @@ pub enum ModelError {
     /// A weight tensor is missing, or has the wrong shape or dtype.
     #[error("tensor `{tensor}`: {reason}")]
     Tensor { tensor: String, reason: String },
+    /// A model's files disagree with themselves or with what te-rs runs
+    /// (missing, unused or misshapen tensors, metadata contradicting the
+    /// tensors, a tokenizer with ids outside the vocabulary): every problem
+    /// found, each naming its tensors and fields ([`crate::validate`]).
+    #[error("{}", invalid_message(path, problems))]
+    Invalid {
+        /// The model file or directory.
+        path: PathBuf,
+        /// One line per problem.
+        problems: Vec<String>,
+    },
     /// The architecture is not one te-rs runs.
     #[error("unsupported architecture `{0}` (supported: llama, gemma, gemma2, gemma3)")]
     UnsupportedArchitecture(String),
@@ -44,6 +55,25 @@ pub enum ModelError {
     Attention(#[from] te_attention::AttentionError),
     #[error(transparent)]
     Cache(#[from] te_cache::CacheError),
+}
+
+/// Problems listed in an [`ModelError::Invalid`] message at most (the
+/// rest are counted).
+const MAX_LISTED_PROBLEMS: usize = 6;
+
+fn invalid_message(path: &std::path::Path, problems: &[String]) -> String {
+    match problems {
+        [] => format!("{}: invalid model", path.display()),
+        [one] => format!("{}: {one}", path.display()),
+        many => {
+            let mut s = format!("{}: {} problems: ", path.display(), many.len());
+            s.push_str(&many[..many.len().min(MAX_LISTED_PROBLEMS)].join("; "));
+            if many.len() > MAX_LISTED_PROBLEMS {
+                s.push_str(&format!("; and {} more", many.len() - MAX_LISTED_PROBLEMS));
+            }
+            s
+        }
+    }
 }
 
 /// Result alias of te-models.

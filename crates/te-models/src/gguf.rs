@@ -157,7 +157,10 @@ impl GgufFile {
     /// Errors: [`ModelError::Io`] when the file cannot be read,
     /// [`ModelError::Format`] (naming the file and the problem) for a bad
     /// magic, an unsupported version, truncation, absurd counts or lengths,
-    /// duplicate names, or tensor data that lies outside the file.
+    /// duplicate names, or tensor data that lies outside the file, is not
+    /// aligned, or does not start where the previous tensor's ends (so
+    /// overlapping data, or a tensor relabelled with another type, is
+    /// refused).
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
         let path = path.as_ref().to_path_buf();
         let io = |error| ModelError::Io {
@@ -276,25 +279,7 @@ impl GgufFile {
 
         let file_len = mmap.len() as u64;
         let data_start = (r.pos as u64).div_ceil(alignment) * alignment;
-        for t in &tensors {
-            let end = t
-                .n_bytes
-                .and_then(|n| data_start.checked_add(t.offset)?.checked_add(n));
-            let start = data_start.checked_add(t.offset);
-            let out_of_file = match (start, end) {
-                (Some(s), Some(e)) => s > file_len || e > file_len,
-                (Some(s), None) if t.n_bytes.is_none() => s > file_len,
-                _ => true,
-            };
-            if out_of_file {
-                return Err(r.err(format!(
-                    "tensor `{}` data (offset {}, {} bytes, data section at {data_start}) lies past the end of the file ({file_len} bytes): truncated file?",
-                    t.name,
-                    t.offset,
-                    t.n_bytes.map_or("unknown".into(), |n| n.to_string())
-                )));
-            }
-        }
+        check_data_layout(&tensors, data_start, alignment, file_len).map_err(|e| r.err(e))?;
         Ok(GgufFile {
             path,
             mmap,
@@ -481,6 +466,81 @@ impl GgufFile {
         quant::dequantize(name, info.ggml_type, bytes, info.dims[0] as usize, &mut out)?;
         Ok(out)
     }
+}
+
+/// Checks where the tensors' data lies, as llama.cpp's reader does: in
+/// table order, each tensor starts at the aligned end of the one before
+/// (the first at offset 0), and each lies inside the file. So the data
+/// ranges are aligned, in bounds and pairwise disjoint, and a tensor whose
+/// type or shape was altered (and so its size) is caught by the next
+/// tensor's offset. After a tensor of unknown type (unknown size) the next
+/// one only has to start after it.
+fn check_data_layout(
+    tensors: &[TensorInfo],
+    data_start: u64,
+    alignment: u64,
+    file_len: u64,
+) -> std::result::Result<(), String> {
+    // The previous tensor and the end of its data (its offset when its
+    // size is unknown).
+    let mut prev: Option<(&TensorInfo, u64)> = None;
+    for t in tensors {
+        match prev {
+            None if t.offset != 0 => {
+                return Err(format!(
+                    "tensor `{}` data starts at offset {}; the first tensor's must start at 0",
+                    t.name, t.offset
+                ))
+            }
+            None => {}
+            Some((p, p_end)) => {
+                let aligned_end = p_end.div_ceil(alignment) * alignment;
+                let ok = match p.n_bytes {
+                    Some(_) => t.offset == aligned_end,
+                    None => t.offset > p.offset,
+                };
+                if !ok {
+                    let relation = match p.n_bytes {
+                        None => "does not start after",
+                        Some(_) if t.offset < p_end => "overlaps",
+                        Some(_) => "leaves a gap after",
+                    };
+                    let size = p
+                        .n_bytes
+                        .map_or("of unknown size".into(), |n| format!("{n} bytes"));
+                    return Err(format!(
+                        "tensor `{}` data (offset {}) {relation} the previous tensor `{}` \
+                         ({} {:?}, offset {}, {size}); each tensor's data must start at the \
+                         aligned end of the previous one's ({aligned_end}): a tensor's type or \
+                         shape does not match its data",
+                        t.name,
+                        t.offset,
+                        p.name,
+                        p.ggml_type.name(),
+                        p.shape(),
+                        p.offset
+                    ));
+                }
+            }
+        }
+        let start = data_start.checked_add(t.offset);
+        let in_file = match (start, t.n_bytes) {
+            (Some(s), None) => s <= file_len,
+            (Some(s), Some(n)) => s.checked_add(n).is_some_and(|e| e <= file_len),
+            (None, _) => false,
+        };
+        if !in_file {
+            return Err(format!(
+                "tensor `{}` data (offset {}, {} bytes, data section at {data_start}) lies past the end of the file ({file_len} bytes): truncated file?",
+                t.name,
+                t.offset,
+                t.n_bytes.map_or("unknown".into(), |n| n.to_string())
+            ));
+        }
+        // In the file, so offset + n_bytes cannot overflow.
+        prev = Some((t, t.offset + t.n_bytes.unwrap_or(0)));
+    }
+    Ok(())
 }
 
 /// A bounds-checked little-endian cursor over the file bytes.

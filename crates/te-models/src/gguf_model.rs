@@ -9,13 +9,34 @@
 
 use te_kernels::rope::{RopeConvention, RopeScaling};
 
-use crate::config::{plausible_size, Activation, Architecture, ModelConfig};
+use crate::config::{plausible_layers, Activation, Architecture, ModelConfig};
 use crate::gguf::GgufFile;
 use crate::ops::WeightData;
-use crate::weights::TensorSource;
+use crate::weights::{StoredTensor, TensorSource};
 use crate::{ModelError, Result};
 
 impl TensorSource for GgufFile {
+    fn stored_tensors(&self) -> Vec<StoredTensor> {
+        self.tensors()
+            .iter()
+            .map(|t| StoredTensor {
+                name: t.name.clone(),
+                shape: t.shape(),
+                dtype: t.ggml_type.name(),
+                unreadable: (!t.ggml_type.can_dequantize()).then(|| {
+                    format!(
+                        "unsupported GGUF tensor type ({}; te-rs reads F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K)",
+                        t.ggml_type.name()
+                    )
+                }),
+            })
+            .collect()
+    }
+
+    fn origin(&self) -> &std::path::Path {
+        self.path()
+    }
+
     fn load(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
         let info = self.tensor_info(name).ok_or_else(|| ModelError::Tensor {
             tensor: name.to_string(),
@@ -55,6 +76,18 @@ impl TensorSource for GgufFile {
     }
 }
 
+/// Whether some `blk.N.<role>.bias` tensor with `role` in `roles` exists
+/// (llama.cpp's optional projection biases).
+fn has_layer_bias(f: &GgufFile, roles: &[&str]) -> bool {
+    f.tensors().iter().any(|t| {
+        t.name
+            .strip_prefix("blk.")
+            .and_then(|rest| rest.split_once('.'))
+            .and_then(|(_, role)| role.strip_suffix(".bias"))
+            .is_some_and(|role| roles.contains(&role))
+    })
+}
+
 /// Reads the model config from a GGUF file's metadata.
 ///
 /// Errors: `general.architecture` not one of llama, gemma, gemma2, gemma3
@@ -72,7 +105,7 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
 
     let hidden_size = get_usize("embedding_length")?;
     let num_attention_heads = get_usize("attention.head_count")?;
-    let num_hidden_layers = plausible_size(&key("block_count"), get_usize("block_count")?)?;
+    let num_hidden_layers = plausible_layers(&key("block_count"), get_usize("block_count")?)?;
     let head_dim =
         opt_usize("attention.key_length")?.unwrap_or(hidden_size / num_attention_heads.max(1));
     let vocab_size = match f.tensor_info("token_embd.weight") {
@@ -194,6 +227,8 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         qk_norm: architecture == Architecture::Gemma3,
         sandwich_norms: matches!(architecture, Architecture::Gemma2 | Architecture::Gemma3),
         tie_word_embeddings: f.tensor_info("output.weight").is_none(),
+        attention_bias: has_layer_bias(f, &["attn_q", "attn_k", "attn_v", "attn_output"]),
+        mlp_bias: has_layer_bias(f, &["ffn_gate", "ffn_up", "ffn_down"]),
         bos_token_id,
         eos_token_ids,
     };

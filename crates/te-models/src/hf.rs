@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use te_kernels::rope::{RopeConvention, RopeScaling};
 
-use crate::config::{plausible_size, Activation, Architecture, ModelConfig};
-use crate::weights::TensorSource;
+use crate::config::{plausible_layers, Activation, Architecture, ModelConfig};
+use crate::weights::{StoredTensor, TensorSource};
 use crate::{ModelError, Result};
 
 /// `config.json` as Hugging Face writes it (the fields te-rs reads).
@@ -31,6 +31,8 @@ struct HfConfig {
     rope_scaling: Option<HfRopeScaling>,
     max_position_embeddings: Option<usize>,
     tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
     hidden_act: Option<String>,
     hidden_activation: Option<String>,
     query_pre_attn_scalar: Option<f64>,
@@ -128,7 +130,7 @@ fn config_from_hf(architecture: Architecture, raw: &HfConfig) -> Result<ModelCon
     let gemma = architecture.is_gemma();
     let hidden_size = field(raw.hidden_size, "hidden_size")?;
     let num_attention_heads = field(raw.num_attention_heads, "num_attention_heads")?;
-    let num_hidden_layers = plausible_size(
+    let num_hidden_layers = plausible_layers(
         "num_hidden_layers",
         field(raw.num_hidden_layers, "num_hidden_layers")?,
     )?;
@@ -256,6 +258,8 @@ fn config_from_hf(architecture: Architecture, raw: &HfConfig) -> Result<ModelCon
         qk_norm: architecture == Architecture::Gemma3,
         sandwich_norms: matches!(architecture, Architecture::Gemma2 | Architecture::Gemma3),
         tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(gemma),
+        attention_bias: raw.attention_bias.unwrap_or(false),
+        mlp_bias: raw.mlp_bias.unwrap_or(false),
         bos_token_id,
         eos_token_ids,
     })
@@ -263,30 +267,72 @@ fn config_from_hf(architecture: Architecture, raw: &HfConfig) -> Result<ModelCon
 
 /// Safetensors weights of a Hugging Face directory, memory-mapped.
 pub struct SafetensorsSource {
+    /// The model directory.
+    dir: PathBuf,
     /// The mapped files, kept alive for `index`.
     files: Vec<(PathBuf, memmap2::Mmap)>,
     /// Tensor name -> index into `files`.
     index: HashMap<String, usize>,
+    /// Every tensor's header entry, file by file in header order.
+    stored: Vec<StoredTensor>,
+}
+
+/// `name` as a path inside the model directory: relative, made of plain
+/// components only (no `..`, no root, no drive prefix), so a
+/// `model.safetensors.index.json` cannot point outside the directory.
+fn shard_path(dir: &Path, index_path: &Path, name: &str) -> Result<PathBuf> {
+    let rel = Path::new(name);
+    let plain = !name.is_empty()
+        && rel
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)));
+    if !plain {
+        return Err(ModelError::Format {
+            path: index_path.to_path_buf(),
+            reason: format!(
+                "weight_map names shard `{name}`, which is not a relative path inside the model directory"
+            ),
+        });
+    }
+    Ok(dir.join(rel))
+}
+
+fn dtype_readable(dtype: safetensors::Dtype) -> Option<String> {
+    match dtype {
+        safetensors::Dtype::F32 | safetensors::Dtype::F16 | safetensors::Dtype::BF16 => None,
+        other => Some(format!(
+            "unsupported safetensors dtype {other:?} (te-rs reads F32, F16 and BF16)"
+        )),
+    }
 }
 
 impl SafetensorsSource {
     /// Opens `dir/model.safetensors`, or every shard listed in
     /// `dir/model.safetensors.index.json`.
+    ///
+    /// Errors: a missing or invalid file (named); a shard path in the
+    /// index that is absolute or climbs out of `dir`; a tensor stored in
+    /// two files; a `weight_map` entry naming a tensor its shard lacks.
     pub fn open(dir: &Path) -> Result<Self> {
         let single = dir.join("model.safetensors");
         let index_path = dir.join("model.safetensors.index.json");
-        let shard_names: Vec<String> = if single.exists() {
-            vec!["model.safetensors".into()]
+        // (shard path, tensors the index places in it).
+        let mut shards: Vec<(PathBuf, Vec<String>)> = Vec::new();
+        if single.exists() {
+            shards.push((single, vec![]));
         } else if index_path.exists() {
             #[derive(Deserialize)]
             struct Index {
                 weight_map: HashMap<String, String>,
             }
             let idx: Index = parse_json(&index_path, &read_json(&index_path)?)?;
-            let mut v: Vec<String> = idx.weight_map.into_values().collect();
-            v.sort();
-            v.dedup();
-            v
+            let mut by_shard: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+            for (tensor, shard) in idx.weight_map {
+                by_shard.entry(shard).or_default().push(tensor);
+            }
+            for (shard, tensors) in by_shard {
+                shards.push((shard_path(dir, &index_path, &shard)?, tensors));
+            }
         } else {
             return Err(ModelError::Resolve {
                 model: dir.display().to_string(),
@@ -295,32 +341,63 @@ impl SafetensorsSource {
         };
         let mut files = Vec::new();
         let mut index = HashMap::new();
-        for name in shard_names {
-            let path = dir.join(&name);
-            let file = std::fs::File::open(&path).map_err(|error| ModelError::Io {
+        let mut stored = Vec::new();
+        for (path, listed) in shards {
+            let io = |error| ModelError::Io {
                 path: path.clone(),
                 error,
-            })?;
+            };
+            let file = std::fs::File::open(&path).map_err(io)?;
             // SAFETY: the file is opened read-only and not modified while mapped.
-            let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|error| ModelError::Io {
+            let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+            let bad = |e: safetensors::SafeTensorError| ModelError::Format {
                 path: path.clone(),
-                error,
-            })?;
-            let st =
-                safetensors::SafeTensors::deserialize(&mmap).map_err(|e| ModelError::Format {
-                    path: path.clone(),
-                    reason: format!("invalid safetensors: {e}"),
-                })?;
-            for tensor in st.names() {
-                index.insert(tensor.to_string(), files.len());
+                reason: format!("invalid safetensors: {e}"),
+            };
+            // Validates the header: data offsets contiguous from 0 up to
+            // the end of the file, sizes matching dtype and shape.
+            let (_, metadata) = safetensors::SafeTensors::read_metadata(&mmap).map_err(bad)?;
+            let mut entries: Vec<(String, &safetensors::tensor::TensorInfo)> =
+                metadata.tensors().into_iter().collect();
+            entries.sort_by_key(|(_, info)| info.data_offsets.0);
+            for (name, info) in entries {
+                if let Some(&other) = index.get(&name) {
+                    let (other_path, _): &(PathBuf, memmap2::Mmap) = &files[other];
+                    return Err(ModelError::Format {
+                        path: path.clone(),
+                        reason: format!(
+                            "tensor `{name}` is also stored in {}",
+                            other_path.display()
+                        ),
+                    });
+                }
+                stored.push(StoredTensor {
+                    name: name.clone(),
+                    shape: info.shape.clone(),
+                    dtype: format!("{:?}", info.dtype),
+                    unreadable: dtype_readable(info.dtype),
+                });
+                index.insert(name, files.len());
+            }
+            if let Some(t) = listed.iter().find(|t| index.get(*t) != Some(&files.len())) {
+                return Err(ModelError::Format {
+                    path: index_path.clone(),
+                    reason: format!(
+                        "weight_map places tensor `{t}` in {}, which does not hold it",
+                        path.display()
+                    ),
+                });
             }
             files.push((path, mmap));
         }
-        Ok(SafetensorsSource { files, index })
+        Ok(SafetensorsSource {
+            dir: dir.to_path_buf(),
+            files,
+            index,
+            stored,
+        })
     }
-}
 
-impl SafetensorsSource {
     /// Every tensor's `(name, dtype, shape)` as the headers declare it,
     /// sorted by name (for `te inspect`).
     pub fn tensor_infos(&self) -> Result<Vec<(String, safetensors::Dtype, Vec<usize>)>> {
@@ -341,6 +418,14 @@ impl SafetensorsSource {
 }
 
 impl TensorSource for SafetensorsSource {
+    fn stored_tensors(&self) -> Vec<StoredTensor> {
+        self.stored.clone()
+    }
+
+    fn origin(&self) -> &Path {
+        &self.dir
+    }
+
     fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
     }

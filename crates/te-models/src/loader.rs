@@ -7,6 +7,7 @@ use crate::hf::{load_config, SafetensorsSource};
 use crate::hub::ModelSource;
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
+use crate::validate;
 use crate::weights::{ModelWeights, NameScheme};
 use crate::{ModelError, Result};
 
@@ -42,21 +43,41 @@ pub fn merge_eos(config: &mut ModelConfig, tokenizer: &Tokenizer) {
     }
 }
 
-/// Loads config, weights (dequantized to f32) and tokenizer.
+/// Config, tokenizer and weights of a model, validated, before the
+/// [`Model`] (RoPE tables, layers) is built.
+pub struct LoadedParts {
+    pub config: ModelConfig,
+    pub tokenizer: Tokenizer,
+    pub weights: ModelWeights,
+}
+
+/// Loads config, tokenizer and weights (dequantized to f32 where not kept
+/// quantized), after [`crate::validate::problems`] found nothing wrong.
 ///
 /// Errors: everything the GGUF, safetensors, config and tokenizer readers
-/// report, each naming the file, tensor or field.
-pub fn load_model(source: &ModelSource) -> Result<LoadedModel> {
+/// report, each naming the file, tensor or field; [`ModelError::Invalid`]
+/// listing every validation problem.
+pub fn load_parts(source: &ModelSource) -> Result<LoadedParts> {
     match source {
         ModelSource::Gguf(path) => {
             let file = GgufFile::open(path)?;
             let config = config_from_gguf(&file)?;
             let tokenizer = Tokenizer::from_gguf(&file)?;
+            let problems = validate::problems(
+                &config,
+                NameScheme::Gguf,
+                &file,
+                Some(&file),
+                Some(&tokenizer),
+            );
+            validate::to_result(path, problems)?;
             // GGUF Gemma norms already hold 1 + w.
             let weights = ModelWeights::load(&file, NameScheme::Gguf, &config, 0.0)?;
-            let mut model = Model::new(config, weights)?;
-            merge_eos(&mut model.config, &tokenizer);
-            Ok(LoadedModel { model, tokenizer })
+            Ok(LoadedParts {
+                config,
+                tokenizer,
+                weights,
+            })
         }
         ModelSource::HfDir(dir) => {
             let config = load_config(dir)?;
@@ -69,6 +90,14 @@ pub fn load_model(source: &ModelSource) -> Result<LoadedModel> {
             }
             let tokenizer = Tokenizer::from_file(&tokenizer_path)?;
             let st = SafetensorsSource::open(dir)?;
+            let problems = validate::problems(
+                &config,
+                NameScheme::HuggingFace,
+                &st,
+                None,
+                Some(&tokenizer),
+            );
+            validate::to_result(dir, problems)?;
             // Hugging Face Gemma checkpoints store w of the (1 + w) norms.
             let norm_offset = if config.architecture.is_gemma() {
                 1.0
@@ -76,9 +105,26 @@ pub fn load_model(source: &ModelSource) -> Result<LoadedModel> {
                 0.0
             };
             let weights = ModelWeights::load(&st, NameScheme::HuggingFace, &config, norm_offset)?;
-            let mut model = Model::new(config, weights)?;
-            merge_eos(&mut model.config, &tokenizer);
-            Ok(LoadedModel { model, tokenizer })
+            Ok(LoadedParts {
+                config,
+                tokenizer,
+                weights,
+            })
         }
     }
+}
+
+/// Loads config, weights (dequantized to f32) and tokenizer
+/// ([`load_parts`]) and builds the [`Model`].
+///
+/// Errors: those of [`load_parts`] and [`Model::new`].
+pub fn load_model(source: &ModelSource) -> Result<LoadedModel> {
+    let LoadedParts {
+        config,
+        tokenizer,
+        weights,
+    } = load_parts(source)?;
+    let mut model = Model::new(config, weights)?;
+    merge_eos(&mut model.config, &tokenizer);
+    Ok(LoadedModel { model, tokenizer })
 }

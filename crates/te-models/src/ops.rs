@@ -17,20 +17,24 @@ pub enum WeightData {
     Quantized { ty: GgmlType, data: Vec<u8> },
 }
 
-/// A linear layer without bias: `y = x · Wᵀ`.
+/// A linear layer: `y = x · Wᵀ (+ b)`.
 ///
 /// `weight: [out_features, in_features]`, row-major (Hugging Face and GGUF
-/// order: GGUF `ne[0]` is `in_features`), f32 or GGUF-quantized.
+/// order: GGUF `ne[0]` is `in_features`), f32 or GGUF-quantized;
+/// `bias: [out_features]` when the model has one (Hugging Face
+/// `attention_bias` / `mlp_bias`).
 #[derive(Clone, Debug)]
 pub struct Linear {
     pub weight: WeightData,
+    /// Added to every output row.
+    pub bias: Option<Vec<f32>>,
     pub out_features: usize,
     pub in_features: usize,
 }
 
 impl Linear {
-    /// Wraps a `[out_features, in_features]` weight; errors name `tensor`
-    /// when the data does not hold that many elements.
+    /// Wraps a `[out_features, in_features]` weight (no bias); errors name
+    /// `tensor` when the data does not hold that many elements.
     pub fn new(
         tensor: &str,
         weight: WeightData,
@@ -55,12 +59,30 @@ impl Linear {
         }
         Ok(Linear {
             weight,
+            bias: None,
             out_features,
             in_features,
         })
     }
 
-    /// `x: [t, in_features]` -> `y: [t, out_features]`.
+    /// The layer with bias `bias: [out_features]` (tensor `tensor`, named
+    /// in the error when its length is not `out_features`).
+    pub fn with_bias(mut self, tensor: &str, bias: Vec<f32>) -> crate::Result<Self> {
+        if bias.len() != self.out_features {
+            return Err(crate::ModelError::Tensor {
+                tensor: tensor.to_string(),
+                reason: format!(
+                    "has {} values, expected {} (out_features)",
+                    bias.len(),
+                    self.out_features
+                ),
+            });
+        }
+        self.bias = Some(bias);
+        Ok(self)
+    }
+
+    /// `x: [t, in_features]` -> `y: [t, out_features]`, bias added.
     pub fn forward(&self, x: &[f32], t: usize) -> Vec<f32> {
         let mut y = vec![0.0f32; t * self.out_features];
         self.forward_into(x, t, &mut y, &mut Vec::new());
@@ -82,6 +104,11 @@ impl Linear {
             WeightData::F32(w) => matmul_transposed_into(x, t, w, n, k, y, scratch),
             WeightData::Quantized { ty, data } => {
                 matmul_quantized_into(x, t, *ty, data, n, k, y, scratch)
+            }
+        }
+        if let Some(b) = &self.bias {
+            for row in y.chunks_exact_mut(n) {
+                add_inplace(row, b);
             }
         }
     }

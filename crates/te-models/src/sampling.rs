@@ -1,14 +1,57 @@
 //! Choosing the next token from logits: greedy, or sampling with
-//! repetition penalty, temperature, top-k, top-p and min-p (applied in that
-//! order, as llama.cpp's default sampler chain does), from a seeded RNG.
+//! repetition penalty, temperature, top-k, top-p and min-p from a seeded
+//! RNG.
+//!
+//! # Rules
+//!
+//! - **Effective logits.** The repetition penalty (CTRL) applies once to
+//!   each distinct id of the history that lies inside the logits: a
+//!   positive logit is divided by it, a negative one multiplied (0 stays 0).
+//!   Ids past the end of the logits are ignored.
+//! - **NaN** logits are never chosen (when every logit is NaN, id 0 is
+//!   returned; an empty slice gives 0 too). `-inf` has probability 0.
+//! - **Greedy** (`temperature == 0`): the largest effective logit, the
+//!   lowest id among equals (`-0.0` equals `0.0`).
+//! - **Sampling** applies, in Hugging Face's order, temperature, top-k,
+//!   top-p, min-p, then draws once:
+//!   1. Candidates are ranked by effective logit, descending, ties by
+//!      lower id. Top-k keeps the first `top_k` of that order.
+//!   2. Probabilities over the top-k set are `p_i ∝ exp((z_i - z_max) / T)`:
+//!      the max is subtracted *before* dividing, so no temperature
+//!      overflows (a tiny `T` sends every smaller logit to probability 0).
+//!      If some logits are `+inf`, the distribution is uniform over those
+//!      (the limit of the softmax); if all are `-inf`, the lowest such id
+//!      is returned.
+//!   3. Top-p keeps the shortest prefix of the ranking whose probability
+//!      reaches `top_p`; min-p keeps the tokens with `p_i >= min_p * p_max`;
+//!      both always keep the first token.
+//!   4. One uniform `u` in [0, 1) (one `gen::<f32>()` of the sequence's
+//!      RNG) picks the first kept token, in rank order, at which the
+//!      cumulative weight reaches `u` times the kept total.
+//! - As `T -> 0` only the maximal logits keep a nonzero probability, so
+//!   sampling returns the greedy token whenever the maximum is unique (and
+//!   one of the tied maxima otherwise).
+//!
+//! # Cost
+//!
+//! Greedy is two passes over the logits that vectorize (the max, then the
+//! first id holding it), no copy. Sampling makes two passes,
+//! keeps the tokens of nonzero probability in a candidate buffer, selects
+//! top-k with `select_nth_unstable_by`, and finds the top-p prefix and the
+//! drawn token by a weighted quickselect (expected linear time, sorting
+//! only the last few dozen candidates); nothing sorts the vocabulary. The
+//! candidate buffer and the history bitmap live in the [`Sampler`] and are
+//! reused: no allocation per token after the first.
+
+use std::cmp::Ordering;
 
 use rand::{Rng, SeedableRng};
 
 /// Sampling settings of one sequence.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
-    /// 0 = greedy (argmax, lowest id on ties); otherwise logits are divided
-    /// by the temperature before the softmax.
+    /// 0 = greedy (argmax, lowest id on ties); otherwise the softmax
+    /// temperature (any finite positive value, however small).
     pub temperature: f32,
     /// Keep the `top_k` most likely tokens (0 = all).
     pub top_k: usize,
@@ -42,7 +85,10 @@ impl SamplingParams {
     /// Checks ranges; the error names the parameter.
     pub fn validate(&self) -> Result<(), String> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(format!("temperature {} must be >= 0", self.temperature));
+            return Err(format!(
+                "temperature {} must be a finite number >= 0",
+                self.temperature
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p {} must be in (0, 1]", self.top_p));
@@ -52,7 +98,7 @@ impl SamplingParams {
         }
         if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
             return Err(format!(
-                "repetition_penalty {} must be > 0",
+                "repetition_penalty {} must be a finite number > 0",
                 self.repetition_penalty
             ));
         }
@@ -60,88 +106,401 @@ impl SamplingParams {
     }
 }
 
-/// One sequence's sampler: its settings and RNG.
+/// A token that may be drawn: its id, effective logit `z` (never NaN) and
+/// unnormalized probability `w = exp((z - z_max) / T)` (> 0).
+#[derive(Clone, Copy, Debug)]
+struct Candidate {
+    id: u32,
+    z: f32,
+    w: f32,
+}
+
+/// Rank order: effective logit descending, then lower id first.
+fn rank(a: &Candidate, b: &Candidate) -> Ordering {
+    b.z.partial_cmp(&a.z)
+        .unwrap_or(Ordering::Equal)
+        .then(a.id.cmp(&b.id))
+}
+
+/// Candidates below which [`prefix_reaching`] sorts instead of selecting.
+const SORT_BELOW: usize = 64;
+
+/// The length `k` of the shortest prefix of the ranking of `cand` whose
+/// weights sum to at least `target`, with `cand` rearranged so that
+/// `cand[..k]` are those `k` candidates and `cand[k - 1]` is the last of
+/// them in rank order; `None` (and `cand` in any order) when all of
+/// `cand` sums to less.
+///
+/// A weighted quickselect: split around the median by rank, keep the half
+/// the target falls in. Expected cost a few passes over `cand`, however
+/// deep in the ranking the target lies (a full sort would be
+/// `n log n`; sorting chunk after chunk worse still on flat
+/// distributions).
+fn prefix_reaching(cand: &mut [Candidate], target: f64) -> Option<usize> {
+    // cand[..lo] rank above cand[lo..hi] and sum to `acc` < target.
+    let (mut lo, mut hi, mut acc) = (0, cand.len(), 0.0f64);
+    while hi - lo > SORT_BELOW {
+        let mid = lo + (hi - lo) / 2;
+        cand[lo..hi].select_nth_unstable_by(mid - lo, rank);
+        let upper: f64 = cand[lo..=mid].iter().map(|c| c.w as f64).sum();
+        if acc + upper >= target {
+            hi = mid + 1;
+        } else {
+            acc += upper;
+            lo = mid + 1;
+        }
+    }
+    cand[lo..hi].sort_unstable_by(rank);
+    for (i, c) in cand[lo..hi].iter().enumerate() {
+        acc += c.w as f64;
+        if acc >= target {
+            return Some(lo + i + 1);
+        }
+    }
+    None
+}
+
+/// The repetition penalty of one logit (see the module rules).
+#[inline]
+fn penalize(l: f32, penalty: f32) -> f32 {
+    if l > 0.0 {
+        l / penalty
+    } else {
+        l * penalty
+    }
+}
+
+/// One sequence's sampler: its settings, RNG and reused scratch buffers.
 pub struct Sampler {
     params: SamplingParams,
     rng: rand::rngs::StdRng,
+    /// Bit `i` set while token `i` is in the history of the current call
+    /// (cleared before returning).
+    history_bits: Vec<u64>,
+    /// Candidates of the current call.
+    cand: Vec<Candidate>,
 }
 
 impl Sampler {
+    /// A sampler with its RNG seeded from `params.seed`. The settings
+    /// should have passed [`SamplingParams::validate`]; sampling with
+    /// settings it rejects is not meaningful (but does not panic).
     pub fn new(params: SamplingParams) -> Self {
         let rng = rand::rngs::StdRng::seed_from_u64(params.seed);
-        Sampler { params, rng }
+        Sampler {
+            params,
+            rng,
+            history_bits: Vec::new(),
+            cand: Vec::new(),
+        }
     }
 
     /// Picks the next token from `logits: [vocab]`; `history` holds the
-    /// prompt and generated tokens (for the repetition penalty).
+    /// prompt and generated tokens (for the repetition penalty). See the
+    /// module documentation for the exact rules.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
-        let p = &self.params;
-        let mut logits = logits.to_vec();
-        if p.repetition_penalty != 1.0 {
-            let mut seen = std::collections::HashSet::new();
-            for &tok in history {
-                if seen.insert(tok) {
-                    if let Some(l) = logits.get_mut(tok as usize) {
-                        *l = if *l > 0.0 {
-                            *l / p.repetition_penalty
-                        } else {
-                            *l * p.repetition_penalty
-                        };
-                    }
+        let penalty = self.params.repetition_penalty;
+        let use_penalty = penalty != 1.0 && !history.is_empty() && !logits.is_empty();
+        if use_penalty {
+            let words = logits.len().div_ceil(64);
+            if self.history_bits.len() < words {
+                self.history_bits.resize(words, 0);
+            }
+            for &t in history {
+                let t = t as usize;
+                if t < logits.len() {
+                    self.history_bits[t >> 6] |= 1 << (t & 63);
                 }
             }
         }
-        if p.temperature == 0.0 {
-            return argmax(&logits);
-        }
-        // Candidates sorted by logit, descending (ties: lower id first).
-        let mut cand: Vec<(u32, f32)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as u32, l / p.temperature))
-            .collect();
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if p.top_k > 0 {
-            cand.truncate(p.top_k);
-        }
-        let max = cand[0].1;
-        let mut probs: Vec<f32> = cand.iter().map(|&(_, l)| (l - max).exp()).collect();
-        let sum: f32 = probs.iter().sum();
-        probs.iter_mut().for_each(|q| *q /= sum);
-        let mut keep = probs.len();
-        if p.top_p < 1.0 {
-            let mut acc = 0.0;
-            for (i, &q) in probs.iter().enumerate() {
-                acc += q;
-                if acc >= p.top_p {
-                    keep = i + 1;
-                    break;
+        // Two monomorphized paths: the plain one has no bitmap test per logit.
+        let (params, rng, cand) = (&self.params, &mut self.rng, &mut self.cand);
+        let id = if use_penalty {
+            let bits = &self.history_bits;
+            pick(params, rng, cand, logits, |i: usize, l: f32| {
+                if (bits[i >> 6] >> (i & 63)) & 1 == 1 {
+                    penalize(l, penalty)
+                } else {
+                    l
+                }
+            })
+        } else {
+            pick(params, rng, cand, logits, |_, l| l)
+        };
+        if use_penalty {
+            for &t in history {
+                let t = t as usize;
+                if t < logits.len() {
+                    self.history_bits[t >> 6] &= !(1 << (t & 63));
                 }
             }
         }
-        if p.min_p > 0.0 {
-            let floor = p.min_p * probs[0];
-            keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
-        }
-        let total: f32 = probs[..keep].iter().sum();
-        let mut r = self.rng.gen::<f32>() * total;
-        for i in 0..keep {
-            r -= probs[i];
-            if r <= 0.0 {
-                return cand[i].0;
-            }
-        }
-        cand[keep - 1].0
+        id
     }
 }
 
-/// Index of the largest logit (the lowest index among equals).
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
+/// Greedy or sampled, by the temperature, over the logits that
+/// `effective` gives.
+fn pick(
+    params: &SamplingParams,
+    rng: &mut rand::rngs::StdRng,
+    cand: &mut Vec<Candidate>,
+    logits: &[f32],
+    effective: impl Fn(usize, f32) -> f32,
+) -> u32 {
+    if params.temperature == 0.0 {
+        greedy(logits, effective)
+    } else {
+        draw(params, rng, cand, logits, effective)
+    }
+}
+
+/// Greedy choice over the effective logits: the largest non-NaN value,
+/// lowest id among equals; 0 when there is none.
+fn greedy(logits: &[f32], effective: impl Fn(usize, f32) -> f32) -> u32 {
+    // Two passes that vectorize: the max (`f32::max` skips NaN), then the
+    // first id holding it (-0.0 == 0.0).
+    let max = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| effective(i, l))
+        .fold(f32::NEG_INFINITY, f32::max);
+    logits
+        .iter()
+        .enumerate()
+        .position(|(i, &l)| effective(i, l) == max)
+        .map_or(0, |i| i as u32)
+}
+
+/// Sampling with `params.temperature > 0` (the module's steps 1 to 4).
+fn draw(
+    params: &SamplingParams,
+    rng: &mut rand::rngs::StdRng,
+    cand: &mut Vec<Candidate>,
+    logits: &[f32],
+    effective: impl Fn(usize, f32) -> f32,
+) -> u32 {
+    // Pass 1: the largest effective logit (`f32::max` skips NaN).
+    let z_max = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| effective(i, l))
+        .fold(f32::NEG_INFINITY, f32::max);
+    if z_max == f32::NEG_INFINITY {
+        // Nothing has a probability (all -inf or NaN): the greedy rule.
+        return greedy(logits, effective);
+    }
+    // Pass 2: every token of nonzero probability.
+    cand.clear();
+    if z_max == f32::INFINITY {
+        for (i, &l) in logits.iter().enumerate() {
+            if effective(i, l) == f32::INFINITY {
+                cand.push(Candidate {
+                    id: i as u32,
+                    z: f32::INFINITY,
+                    w: 1.0,
+                });
+            }
+        }
+    } else {
+        let t = params.temperature;
+        for (i, &l) in logits.iter().enumerate() {
+            let z = effective(i, l);
+            // Skips NaN and -inf; (z - z_max) <= 0, so w <= 1, = 1 at the max.
+            if z > f32::NEG_INFINITY {
+                let d = z - z_max;
+                let w = if d.is_finite() {
+                    (d / t).exp()
+                } else {
+                    // The difference of two finite logits overflowed f32.
+                    ((z as f64 - z_max as f64) / t as f64).exp() as f32
+                };
+                if w > 0.0 {
+                    cand.push(Candidate { id: i as u32, z, w });
+                }
+            }
         }
     }
-    best as u32
+    // Top-k: the first k of the ranking (the max is always among them).
+    if params.top_k > 0 && params.top_k < cand.len() {
+        cand.select_nth_unstable_by(params.top_k - 1, rank);
+        cand.truncate(params.top_k);
+    }
+    // Probabilities are w / total over the top-k set.
+    let total: f64 = cand.iter().map(|c| c.w as f64).sum();
+    // Min-p: p_i >= min_p * p_max, with p_max = 1 / total (w_max = 1).
+    if params.min_p > 0.0 {
+        cand.retain(|c| c.w >= params.min_p);
+    }
+    // Top-p: the shortest prefix of the ranking reaching top_p.
+    let mut keep = cand.len();
+    if params.top_p < 1.0 {
+        if let Some(k) = prefix_reaching(cand, params.top_p as f64 * total) {
+            keep = k;
+        }
+    }
+    let kept = &mut cand[..keep];
+    let kept_total: f64 = kept.iter().map(|c| c.w as f64).sum();
+    let u: f32 = rng.gen();
+    match prefix_reaching(kept, u as f64 * kept_total) {
+        Some(k) => kept[k - 1].id,
+        // Rounding left a sliver past the last kept token: take it.
+        None => kept.iter().max_by(|a, b| rank(a, b)).map_or(0, |c| c.id),
+    }
+}
+
+/// Index of the largest logit (the lowest index among equals), NaN
+/// logits skipped; 0 when every logit is NaN or there are none.
+pub fn argmax(logits: &[f32]) -> u32 {
+    greedy(logits, |_, l| l)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sampler(temperature: f32) -> Sampler {
+        Sampler::new(SamplingParams {
+            temperature,
+            ..SamplingParams::default()
+        })
+    }
+
+    #[test]
+    fn argmax_skips_nan_and_takes_the_lowest_id_on_ties() {
+        assert_eq!(argmax(&[f32::NAN, 1.0, 3.0, 3.0]), 2);
+        assert_eq!(argmax(&[-0.0, 0.0]), 0);
+        assert_eq!(argmax(&[0.0, -0.0, f32::NAN]), 0);
+        assert_eq!(argmax(&[f32::NEG_INFINITY, f32::NEG_INFINITY]), 0);
+        assert_eq!(argmax(&[f32::NAN, f32::NEG_INFINITY]), 1);
+        assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
+        assert_eq!(argmax(&[]), 0);
+        assert_eq!(argmax(&[1.0, f32::INFINITY, f32::INFINITY]), 1);
+    }
+
+    /// The reproducer in miniature: a tiny temperature must not
+    /// turn logits into inf / NaN (the old code divided first, giving
+    /// inf - inf = NaN and the last id).
+    #[test]
+    fn tiny_temperatures_pick_the_maximum() {
+        let logits = [12.5f32, 31.25, -4.0, 30.0, 7.0];
+        for t in [1e-45f32, 1e-38, 1e-37, 1e-20, 1e-6] {
+            for top_k in [0, 1, 2, 5] {
+                let mut s = Sampler::new(SamplingParams {
+                    temperature: t,
+                    top_k,
+                    ..SamplingParams::default()
+                });
+                for _ in 0..20 {
+                    assert_eq!(s.sample(&logits, &[]), 1, "T {t} top_k {top_k}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn infinite_logits_are_handled() {
+        // +inf: uniform over the +inf ids, whatever the temperature.
+        let logits = [1.0, f32::INFINITY, f32::NAN, f32::INFINITY, 5.0];
+        let mut s = sampler(0.7);
+        let mut seen = [0usize; 5];
+        for _ in 0..400 {
+            seen[s.sample(&logits, &[]) as usize] += 1;
+        }
+        assert_eq!(seen[0] + seen[2] + seen[4], 0, "{seen:?}");
+        assert!(seen[1] > 120 && seen[3] > 120, "{seen:?}");
+        // -inf is never drawn while something finite exists.
+        let logits = [f32::NEG_INFINITY, 0.0, f32::NEG_INFINITY];
+        let mut s = sampler(100.0);
+        for _ in 0..50 {
+            assert_eq!(s.sample(&logits, &[]), 1);
+        }
+        // All -inf or NaN: the greedy rule.
+        let logits = [f32::NAN, f32::NEG_INFINITY, f32::NEG_INFINITY];
+        assert_eq!(sampler(1.0).sample(&logits, &[]), 1);
+        assert_eq!(sampler(1.0).sample(&[f32::NAN; 3], &[]), 0);
+        assert_eq!(sampler(1.0).sample(&[], &[]), 0);
+    }
+
+    #[test]
+    fn repetition_penalty_applies_once_per_distinct_id() {
+        // Token 0 (logit 4) penalized by 2 once -> 2 < 3; penalized twice it
+        // would be 1, which this history (0 three times) must not do to
+        // the choice between 0 and 2 (logit 1.5).
+        let logits = [4.0f32, -1.0, 1.5, 3.0];
+        let mut s = Sampler::new(SamplingParams {
+            repetition_penalty: 2.0,
+            ..SamplingParams::default()
+        });
+        assert_eq!(s.sample(&logits, &[0, 0, 0, 99]), 3);
+        assert_eq!(
+            s.sample(&logits, &[0, 3, 0]),
+            0 /* 2.0 vs 1.5 vs 1.5 */
+        );
+        // Bits are cleared between calls: no history, no penalty.
+        assert_eq!(s.sample(&logits, &[]), 0);
+        // A penalty below 1 raises the history's logits: -1 * 0.1 = -0.1,
+        // 1.5 / 0.1 = 15.
+        let mut s = Sampler::new(SamplingParams {
+            repetition_penalty: 0.1,
+            ..SamplingParams::default()
+        });
+        assert_eq!(s.sample(&logits, &[2]), 2);
+    }
+
+    #[test]
+    fn validate_names_the_setting_and_rejects_non_finite_values() {
+        let bad = |p: SamplingParams, name: &str| {
+            let e = p.validate().unwrap_err();
+            assert!(e.contains(name), "{e}");
+        };
+        let d = SamplingParams::default;
+        bad(
+            SamplingParams {
+                temperature: f32::INFINITY,
+                ..d()
+            },
+            "temperature",
+        );
+        bad(
+            SamplingParams {
+                temperature: -1e-30,
+                ..d()
+            },
+            "temperature",
+        );
+        bad(SamplingParams { top_p: 0.0, ..d() }, "top_p");
+        bad(
+            SamplingParams {
+                top_p: f32::NAN,
+                ..d()
+            },
+            "top_p",
+        );
+        bad(
+            SamplingParams {
+                min_p: f32::NAN,
+                ..d()
+            },
+            "min_p",
+        );
+        for p in [f32::INFINITY, f32::NAN, 0.0, -2.0] {
+            let e = SamplingParams {
+                repetition_penalty: p,
+                ..d()
+            }
+            .validate()
+            .unwrap_err();
+            assert!(
+                e.contains("repetition_penalty") && e.contains("finite"),
+                "{e}"
+            );
+        }
+        assert!(SamplingParams {
+            temperature: 1e-45,
+            ..d()
+        }
+        .validate()
+        .is_ok());
+    }
 }

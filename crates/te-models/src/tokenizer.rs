@@ -71,6 +71,8 @@ pub struct Tokenizer {
     /// Vocabulary size with added tokens (computed once: `tokenizers`
     /// copies the whole vocabulary to count it).
     vocab_size: usize,
+    /// The largest id of the vocabulary with added tokens.
+    max_token_id: Option<u32>,
     kind: String,
     bos_id: Option<u32>,
     eos_ids: Vec<u32>,
@@ -137,11 +139,14 @@ impl Tokenizer {
                     Some(_) => file.get_str("tokenizer.ggml.pre")?,
                     None => "default",
                 };
-                (
-                    gpt2_tokenizer(vocab, merges, pre)?,
-                    format!("gpt2 byte-level BPE (pre: {pre})"),
-                    false,
-                )
+                let inner = gpt2_tokenizer(vocab, merges, pre).map_err(|e| match e {
+                    ModelError::Tokenizer(reason) => ModelError::Config {
+                        field: "tokenizer.ggml.merges".into(),
+                        reason: format!("{}: {reason}", file.path().display()),
+                    },
+                    other => other,
+                })?;
+                (inner, format!("gpt2 byte-level BPE (pre: {pre})"), false)
             }
             "llama" => {
                 let scores = file.get_f32_array("tokenizer.ggml.scores")?;
@@ -242,14 +247,12 @@ impl Tokenizer {
         let inner: tokenizers::Tokenizer = text
             .parse()
             .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))?;
+        check_added_token_ids(path, &text, &inner)?;
         let dir = path.parent().unwrap_or(Path::new("."));
         let mut bos_id = None;
         let mut eos_ids: Vec<u32> = Vec::new();
         for name in ["generation_config.json", "config.json"] {
-            let Ok(text) = std::fs::read_to_string(dir.join(name)) else {
-                continue;
-            };
-            let Ok(json) = serde_json::from_str::<serde_json::Value>(&text) else {
+            let Some(json) = read_optional_json(&dir.join(name))? else {
                 continue;
             };
             if bos_id.is_none() {
@@ -282,10 +285,10 @@ impl Tokenizer {
         let kind = format!("tokenizer.json ({})", model_type(&inner));
         let mut t = Self::with_inner(inner, kind, bos_id, eos_ids);
         t.chat_eos = t.text_of(primary_eos);
-        let config = read_tokenizer_config(&dir.join("tokenizer_config.json"));
+        let config = read_optional_json(&dir.join("tokenizer_config.json"))?;
         // bos_token / eos_token of tokenizer_config.json win, as in
         // Hugging Face (a string or `{"content": ...}`).
-        if let Ok(Some(json)) = &config {
+        if let Some(json) = &config {
             let text = |v: &serde_json::Value| {
                 v.as_str()
                     .or_else(|| v["content"].as_str())
@@ -298,7 +301,7 @@ impl Tokenizer {
                 t.chat_eos = eos;
             }
         }
-        t.chat_template = chat_template_of(dir, config);
+        t.chat_template = chat_template_of(dir, config)?;
         Ok(t)
     }
 
@@ -310,8 +313,10 @@ impl Tokenizer {
     ) -> Tokenizer {
         let mut plain = inner.clone();
         plain.set_encode_special_tokens(true);
+        let vocab = inner.get_vocab(true);
         let mut t = Tokenizer {
-            vocab_size: inner.get_vocab_size(true),
+            vocab_size: vocab.len(),
+            max_token_id: vocab.values().copied().max(),
             parse_special: inner,
             plain,
             kind,
@@ -435,6 +440,13 @@ impl Tokenizer {
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
+    }
+
+    /// The largest token id the tokenizer knows (added tokens included);
+    /// `None` for an empty vocabulary. Loading checks it against the
+    /// model's vocabulary ([`crate::validate::tokenizer_problems`]).
+    pub fn max_token_id(&self) -> Option<u32> {
+        self.max_token_id
     }
 
     /// The BOS id, if the model has one (whether or not it is added).
@@ -635,33 +647,83 @@ fn sentencepiece_tokenizer(
     Ok(t)
 }
 
-/// A Hugging Face `tokenizer_config.json` as JSON; `None` when absent.
-fn read_tokenizer_config(path: &Path) -> std::result::Result<Option<serde_json::Value>, String> {
-    let Ok(text) = std::fs::read_to_string(path) else {
-        return Ok(None);
+/// A JSON file next to `tokenizer.json` (`tokenizer_config.json`,
+/// `generation_config.json`, `config.json`); `None` when absent.
+///
+/// Errors: a file that is there but cannot be read or is not JSON
+/// ([`ModelError::Io`] / [`ModelError::Format`] naming it): a broken file
+/// is never taken for a missing one.
+fn read_optional_json(path: &Path) -> Result<Option<serde_json::Value>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(error) => {
+            return Err(ModelError::Io {
+                path: path.to_path_buf(),
+                error,
+            })
+        }
     };
     serde_json::from_str(&text)
         .map(Some)
-        .map_err(|e| format!("{}: not JSON: {e}", path.display()))
+        .map_err(|e| ModelError::Format {
+            path: path.to_path_buf(),
+            reason: format!("not JSON: {e}"),
+        })
+}
+
+/// Checks that every entry of `tokenizer.json`'s `added_tokens` got the id
+/// the file gives it (`tokenizers` silently renumbers an added token whose
+/// id is out of place, e.g. 10^9 becomes the next free id).
+fn check_added_token_ids(path: &Path, text: &str, inner: &tokenizers::Tokenizer) -> Result<()> {
+    #[derive(serde::Deserialize)]
+    struct Added {
+        id: u64,
+        content: String,
+    }
+    #[derive(serde::Deserialize)]
+    struct File {
+        #[serde(default)]
+        added_tokens: Vec<Added>,
+    }
+    let file: File = serde_json::from_str(text)
+        .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))?;
+    for a in &file.added_tokens {
+        let got = inner.token_to_id(&a.content);
+        if got.map(u64::from) != Some(a.id) {
+            return Err(ModelError::Tokenizer(format!(
+                "{}: added token `{}` has id {} in added_tokens, but the vocabulary gives it {}",
+                path.display(),
+                a.content,
+                a.id,
+                got.map_or("no id".to_string(), |g| format!("id {g}"))
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The chat template of a Hugging Face directory: `chat_template.jinja`
 /// if present (newer `transformers`), else `chat_template` of
 /// `tokenizer_config.json` (`config`): a string, or a list of `{name,
-/// template}` of which `default` is taken. `Ok(None)` when there is none;
-/// `Err` says what is wrong with the one there is.
+/// template}` of which `default` is taken. `Ok(Ok(None))` when there is
+/// none; the inner `Err` says what is wrong with the one in
+/// `tokenizer_config.json` (reported when a chat prompt is encoded, so it
+/// never blocks raw prompts).
+///
+/// Errors: a `chat_template.jinja` that is there but cannot be read.
 fn chat_template_of(
     dir: &Path,
-    config: std::result::Result<Option<serde_json::Value>, String>,
-) -> std::result::Result<Option<String>, String> {
+    config: Option<serde_json::Value>,
+) -> Result<std::result::Result<Option<String>, String>> {
     let jinja = dir.join("chat_template.jinja");
     if jinja.is_file() {
         return std::fs::read_to_string(&jinja)
-            .map(Some)
-            .map_err(|e| format!("{}: {e}", jinja.display()));
+            .map(|t| Ok(Some(t)))
+            .map_err(|error| ModelError::Io { path: jinja, error });
     }
-    let Some(json) = config? else {
-        return Ok(None);
+    let Some(json) = config else {
+        return Ok(Ok(None));
     };
     let bad = |reason: &str| {
         format!(
@@ -669,7 +731,7 @@ fn chat_template_of(
             dir.join("tokenizer_config.json").display()
         )
     };
-    match &json["chat_template"] {
+    Ok(match &json["chat_template"] {
         serde_json::Value::Null => Ok(None),
         serde_json::Value::String(t) => Ok(Some(t.clone())),
         serde_json::Value::Array(list) => list
@@ -679,7 +741,7 @@ fn chat_template_of(
             .map(|t| Some(t.to_string()))
             .ok_or_else(|| bad("a list without a template named `default`")),
         other => Err(bad(&format!("expected a string, got {other}"))),
-    }
+    })
 }
 
 #[cfg(test)]
@@ -691,30 +753,39 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("te-chat-template-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("tokenizer_config.json");
-        let of = || chat_template_of(&dir, read_tokenizer_config(&path));
+        let of = || {
+            read_optional_json(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|c| chat_template_of(&dir, c).map_err(|e| e.to_string())?)
+        };
         assert_eq!(of(), Ok(None), "no file");
         for (json, want) in [
-            (r#"{"bos_token": "<s>"}"#, Ok(None)),
-            (r#"{"chat_template": "{{ x }}"}"#, Ok(Some("{{ x }}"))),
+            (&br#"{"bos_token": "<s>"}"#[..], Ok(None)),
+            (br#"{"chat_template": "{{ x }}"}"#, Ok(Some("{{ x }}"))),
             (
-                r#"{"chat_template": [{"name": "tool_use", "template": "t"}, {"name": "default", "template": "d"}]}"#,
+                br#"{"chat_template": [{"name": "tool_use", "template": "t"}, {"name": "default", "template": "d"}]}"#,
                 Ok(Some("d")),
             ),
             (
-                r#"{"chat_template": [{"name": "tool_use", "template": "t"}]}"#,
+                br#"{"chat_template": [{"name": "tool_use", "template": "t"}]}"#,
                 Err("default"),
             ),
-            (r#"{"chat_template": 3}"#, Err("expected a string")),
-            ("not json", Err("not JSON")),
+            (br#"{"chat_template": 3}"#, Err("expected a string")),
+            // A present but broken file is an error naming it, never
+            // "no chat template".
+            (b"not json", Err("tokenizer_config.json: not JSON")),
+            (b"\xff\xfe\x00garbage", Err("tokenizer_config.json")),
         ] {
             std::fs::write(&path, json).unwrap();
+            let shown = String::from_utf8_lossy(json);
             match (of(), want) {
-                (Ok(got), Ok(want)) => assert_eq!(got.as_deref(), want, "{json}"),
-                (Err(e), Err(want)) => assert!(e.contains(want), "{json}: {e}"),
-                (got, want) => panic!("{json}: {got:?} vs {want:?}"),
+                (Ok(got), Ok(want)) => assert_eq!(got.as_deref(), want, "{shown}"),
+                (Err(e), Err(want)) => assert!(e.contains(want), "{shown}: {e}"),
+                (got, want) => panic!("{shown}: {got:?} vs {want:?}"),
             }
         }
         // chat_template.jinja wins over tokenizer_config.json.
+        std::fs::write(&path, "{}").unwrap();
         std::fs::write(dir.join("chat_template.jinja"), "{{ y }}").unwrap();
         assert_eq!(of(), Ok(Some("{{ y }}".to_string())));
         std::fs::remove_dir_all(&dir).unwrap();

@@ -1,9 +1,28 @@
 //! Model weights in f32, loaded through a [`TensorSource`] (GGUF or
-//! safetensors) by one name mapping per file format.
+//! safetensors) by one name mapping per file format, after
+//! [`crate::validate`] has checked the tensors against the config.
+
+use std::collections::HashMap;
+use std::path::Path;
 
 use crate::config::{Architecture, ModelConfig};
 use crate::ops::{Linear, WeightData};
+use crate::validate::{check_tensors, expected_tensors};
 use crate::{ModelError, Result};
+
+/// One stored tensor as its file's header declares it (no data read).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredTensor {
+    /// The name in the file.
+    pub name: String,
+    /// Row-major shape, outermost first.
+    pub shape: Vec<usize>,
+    /// The stored type: a GGUF type name (`Q4_K`, `id 99`) or a
+    /// safetensors dtype (`BF16`).
+    pub dtype: String,
+    /// Why te-rs cannot read this tensor's type, when it cannot.
+    pub unreadable: Option<String>,
+}
 
 /// Where tensors come from: a GGUF file or a Hugging Face safetensors
 /// directory. Every tensor is returned dequantized to f32, row-major, with
@@ -19,6 +38,10 @@ pub trait TensorSource {
         let (shape, data) = self.load(name)?;
         Ok((shape, WeightData::F32(data)))
     }
+    /// Every stored tensor's header entry, in file order.
+    fn stored_tensors(&self) -> Vec<StoredTensor>;
+    /// The file or directory the tensors come from (named in errors).
+    fn origin(&self) -> &Path;
 }
 
 /// Tensor names of one file format.
@@ -137,6 +160,15 @@ impl TensorNames {
         }
     }
 
+    /// The name of the bias of layer `i`'s matrix of role `what` (`q`, `k`,
+    /// `v`, `o`, `gate`, `up`, `down`): `blk.3.attn_q.bias`,
+    /// `model.layers.3.self_attn.q_proj.bias`.
+    pub fn layer_bias(&self, i: usize, what: &str) -> String {
+        let weight = self.layer(i, what);
+        let stem = weight.strip_suffix(".weight").unwrap_or(&weight);
+        format!("{stem}.bias")
+    }
+
     /// The name of a weight outside the layers (`embed`, `norm`, `lm_head`).
     pub fn global(&self, what: &str) -> &'static str {
         match (self.scheme, what) {
@@ -162,7 +194,10 @@ fn expect_shape(name: &str, got: &[usize], expected: &[usize]) -> Result<()> {
 }
 
 impl ModelWeights {
-    /// Loads every weight the config needs from `src`, checking shapes.
+    /// Checks the tensors of `src` against `cfg`
+    /// ([`crate::validate::check_tensors`]: every needed tensor present with
+    /// the shape the config implies, none unused, every type readable),
+    /// then loads them (biases included where the config has them).
     ///
     /// `norm_offset` is added to every norm weight: 1.0 for Gemma weights in
     /// Hugging Face files (which store `w` of `(1 + w)`), 0.0 otherwise
@@ -173,32 +208,50 @@ impl ModelWeights {
         cfg: &ModelConfig,
         norm_offset: f32,
     ) -> Result<Self> {
+        check_tensors(cfg, scheme, src)?;
         let names = TensorNames {
             scheme,
             arch: cfg.architecture,
         };
-        let (hidden, d) = (cfg.hidden_size, cfg.head_dim);
-        let (hq, hkv, ffn) = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.intermediate_size,
-        );
-        let vector = |name: &str, len: usize| -> Result<Vec<f32>> {
+        // The shapes validation checked, by name.
+        let expected: HashMap<String, Vec<usize>> = expected_tensors(cfg, scheme)
+            .into_iter()
+            .map(|e| (e.name, e.shape))
+            .collect();
+        let shape_of = |name: &str| -> Result<&[usize]> {
+            expected
+                .get(name)
+                .map(Vec::as_slice)
+                .ok_or_else(|| ModelError::Tensor {
+                    tensor: name.to_string(),
+                    reason: "not a tensor of this architecture".into(),
+                })
+        };
+        let vector = |name: &str, offset: f32| -> Result<Vec<f32>> {
             let (shape, mut data) = src.load(name)?;
-            expect_shape(name, &shape, &[len])?;
-            if norm_offset != 0.0 {
-                data.iter_mut().for_each(|w| *w += norm_offset);
+            expect_shape(name, &shape, shape_of(name)?)?;
+            if offset != 0.0 {
+                data.iter_mut().for_each(|w| *w += offset);
             }
             Ok(data)
         };
-        let matrix = |name: &str, rows: usize, cols: usize| -> Result<Linear> {
+        let norm = |name: &str| vector(name, norm_offset);
+        let matrix = |name: &str, bias: Option<String>| -> Result<Linear> {
+            let want = shape_of(name)?;
             let (shape, data) = src.load_matrix(name)?;
-            expect_shape(name, &shape, &[rows, cols])?;
-            Linear::new(name, data, rows, cols)
+            expect_shape(name, &shape, want)?;
+            let lin = Linear::new(name, data, want[0], want[1])?;
+            match bias {
+                Some(b) => {
+                    let v = vector(&b, 0.0)?;
+                    lin.with_bias(&b, v)
+                }
+                None => Ok(lin),
+            }
         };
-        let optional = |present: bool, name: String, len: usize| -> Result<Option<Vec<f32>>> {
+        let optional = |present: bool, name: String| -> Result<Option<Vec<f32>>> {
             if present {
-                vector(&name, len).map(Some)
+                norm(&name).map(Some)
             } else {
                 Ok(None)
             }
@@ -206,33 +259,41 @@ impl ModelWeights {
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let n = |what: &str| names.layer(i, what);
+            let proj = |what: &str| {
+                let biased = if matches!(what, "q" | "k" | "v" | "o") {
+                    cfg.attention_bias
+                } else {
+                    cfg.mlp_bias
+                };
+                matrix(&n(what), biased.then(|| names.layer_bias(i, what)))
+            };
             layers.push(LayerWeights {
-                attn_norm: vector(&n("attn_norm"), hidden)?,
-                q_proj: matrix(&n("q"), hq * d, hidden)?,
-                k_proj: matrix(&n("k"), hkv * d, hidden)?,
-                v_proj: matrix(&n("v"), hkv * d, hidden)?,
-                o_proj: matrix(&n("o"), hidden, hq * d)?,
-                q_norm: optional(cfg.qk_norm, n("q_norm"), d)?,
-                k_norm: optional(cfg.qk_norm, n("k_norm"), d)?,
-                post_attn_norm: optional(cfg.sandwich_norms, n("post_attn_norm"), hidden)?,
-                ffn_norm: vector(&n("ffn_norm"), hidden)?,
-                gate_proj: matrix(&n("gate"), ffn, hidden)?,
-                up_proj: matrix(&n("up"), ffn, hidden)?,
-                down_proj: matrix(&n("down"), hidden, ffn)?,
-                post_ffn_norm: optional(cfg.sandwich_norms, n("post_ffn_norm"), hidden)?,
+                attn_norm: norm(&n("attn_norm"))?,
+                q_proj: proj("q")?,
+                k_proj: proj("k")?,
+                v_proj: proj("v")?,
+                o_proj: proj("o")?,
+                q_norm: optional(cfg.qk_norm, n("q_norm"))?,
+                k_norm: optional(cfg.qk_norm, n("k_norm"))?,
+                post_attn_norm: optional(cfg.sandwich_norms, n("post_attn_norm"))?,
+                ffn_norm: norm(&n("ffn_norm"))?,
+                gate_proj: proj("gate")?,
+                up_proj: proj("up")?,
+                down_proj: proj("down")?,
+                post_ffn_norm: optional(cfg.sandwich_norms, n("post_ffn_norm"))?,
             });
         }
-        let embed_tokens = matrix(names.global("embed"), cfg.vocab_size, hidden)?;
+        let embed_tokens = matrix(names.global("embed"), None)?;
         let lm_head_name = names.global("lm_head");
         let lm_head = if !cfg.tie_word_embeddings || src.contains(lm_head_name) {
-            Some(matrix(lm_head_name, cfg.vocab_size, hidden)?)
+            Some(matrix(lm_head_name, None)?)
         } else {
             None
         };
         Ok(ModelWeights {
             embed_tokens,
             layers,
-            final_norm: vector(names.global("norm"), hidden)?,
+            final_norm: norm(names.global("norm"))?,
             lm_head,
         })
     }

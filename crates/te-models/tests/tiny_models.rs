@@ -267,6 +267,36 @@ fn gemma3_rope_scaling_skips_local_layers_when_bases_agree() {
     check_all_modes(&ck, 30);
 }
 
+/// Issue 15: Llama-architecture checkpoints with `attention_bias` and
+/// `mlp_bias` get their biases applied (they used to be dropped).
+#[test]
+fn llama_with_biases_matches_f64_reference() {
+    let ck = Checkpoint::write(Spec {
+        attention_bias: true,
+        mlp_bias: true,
+        seed: 19,
+        ..Spec::llama()
+    });
+    let cfg = &ck.load().expect("load").config;
+    assert!(cfg.attention_bias && cfg.mlp_bias);
+    assert_feature_bites(&ck, 20, "attention biases", |s| s.attention_bias = false);
+    assert_feature_bites(&ck, 20, "mlp biases", |s| s.mlp_bias = false);
+    check_all_modes(&ck, 20);
+}
+
+/// Gemma checkpoints may set `attention_bias` too (Hugging Face's Gemma
+/// config has the field): same handling.
+#[test]
+fn gemma3_with_attention_biases_matches_f64_reference() {
+    let ck = Checkpoint::write(Spec {
+        attention_bias: true,
+        seed: 20,
+        ..Spec::gemma3()
+    });
+    assert_feature_bites(&ck, 20, "attention biases", |s| s.attention_bias = false);
+    check_all_modes(&ck, 20);
+}
+
 #[test]
 fn bf16_gemma3_matches_f64_reference_on_rounded_weights() {
     let ck = Checkpoint::write(Spec {

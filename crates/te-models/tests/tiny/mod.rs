@@ -12,6 +12,8 @@
 //! reads the weights the test wrote (rounded to the stored dtype), never
 //! anything computed by te-models.
 
+#![allow(dead_code)]
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -118,6 +120,10 @@ pub struct Spec {
     /// Gain of the q/k projections (larger makes attention logits larger,
     /// so softcaps bite).
     pub qk_gain: f64,
+    /// Hugging Face `attention_bias`: q/k/v/o biases written and used.
+    pub attention_bias: bool,
+    /// Hugging Face `mlp_bias`: gate/up/down biases written and used.
+    pub mlp_bias: bool,
     pub seed: u64,
 }
 
@@ -149,6 +155,8 @@ impl Spec {
             storage: Storage::F32,
             shards: 1,
             qk_gain: 1.0,
+            attention_bias: false,
+            mlp_bias: false,
             seed: 1,
         }
     }
@@ -224,6 +232,8 @@ impl Spec {
             "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": 2,
             "eos_token_id": 1,
+            "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias,
         });
         let o = c.as_object_mut().expect("object");
         match self.family {
@@ -378,6 +388,26 @@ fn random_tensors(spec: &Spec) -> Vec<Tensor> {
         mats.push(matrix("lm_head.weight".into(), spec.vocab_size, hid, 1.0));
     }
     out.extend(mats);
+    // Biases uniform in [-0.5, 0.5): large enough to move the logits.
+    let mut bias = |name: String, len: usize| Tensor {
+        values: (0..len).map(|_| 0.5 * rng.symmetric()).collect(),
+        name,
+        shape: vec![len],
+    };
+    for l in 0..spec.num_hidden_layers {
+        let p = |s: &str| format!("model.layers.{l}.{s}.bias");
+        if spec.attention_bias {
+            out.push(bias(p("self_attn.q_proj"), hq * d));
+            out.push(bias(p("self_attn.k_proj"), hkv * d));
+            out.push(bias(p("self_attn.v_proj"), hkv * d));
+            out.push(bias(p("self_attn.o_proj"), hid));
+        }
+        if spec.mlp_bias {
+            out.push(bias(p("mlp.gate_proj"), ffn));
+            out.push(bias(p("mlp.up_proj"), ffn));
+            out.push(bias(p("mlp.down_proj"), hid));
+        }
+    }
     let offset = if spec.family.is_gemma() { 0.0 } else { 1.0 };
     let mut norm = |name: String, len: usize| Tensor {
         values: (0..len).map(|_| offset + 0.2 * rng.symmetric()).collect(),
@@ -543,12 +573,17 @@ pub fn load_dir(dir: &Path) -> te_models::Result<Model> {
 
 /// `x: [rows, in]` times `w: [out, in]` transposed -> `[rows, out]`.
 fn linear(x: &[f64], w: &[f64], out: usize) -> Vec<f64> {
+    linear_bias(x, w, None, out)
+}
+
+/// [`linear`] plus `b: [out]` on every row when given.
+fn linear_bias(x: &[f64], w: &[f64], b: Option<&[f64]>, out: usize) -> Vec<f64> {
     let inp = w.len() / out;
     x.chunks(inp)
         .flat_map(|row| {
             (0..out).map(move |o| {
                 let wr = &w[o * inp..(o + 1) * inp];
-                row.iter().zip(wr).map(|(a, b)| a * b).sum::<f64>()
+                row.iter().zip(wr).map(|(a, b)| a * b).sum::<f64>() + b.map_or(0.0, |b| b[o])
             })
         })
         .collect()
@@ -666,12 +701,18 @@ pub fn reference_logits(
 
     for l in 0..spec.num_hidden_layers {
         let p = |s: &str| format!("model.layers.{l}.{s}.weight");
+        // A projection with its bias when the spec has one.
+        let proj = |x: &[f64], s: &str, out: usize, biased: bool| {
+            let b = format!("model.layers.{l}.{s}.bias");
+            linear_bias(x, w(&p(s)), biased.then(|| w(&b)), out)
+        };
+        let (ab, mb) = (spec.attention_bias, spec.mlp_bias);
         let sliding = spec.sliding_layers[l];
         // Attention block.
         let xn = norm(&x, &p("input_layernorm"));
-        let mut q = linear(&xn, w(&p("self_attn.q_proj")), hq * d); // [n, hq, d]
-        let mut k = linear(&xn, w(&p("self_attn.k_proj")), hkv * d); // [n, hkv, d]
-        let v = linear(&xn, w(&p("self_attn.v_proj")), hkv * d); // [n, hkv, d]
+        let mut q = proj(&xn, "self_attn.q_proj", hq * d, ab); // [n, hq, d]
+        let mut k = proj(&xn, "self_attn.k_proj", hkv * d, ab); // [n, hkv, d]
+        let v = proj(&xn, "self_attn.v_proj", hkv * d, ab); // [n, hkv, d]
         if spec.family == Family::Gemma3 {
             q = norm(&q, &p("self_attn.q_norm"));
             k = norm(&k, &p("self_attn.k_norm"));
@@ -716,7 +757,7 @@ pub fn reference_logits(
                 }
             }
         }
-        let mut o = linear(&attn, w(&p("self_attn.o_proj")), hid);
+        let mut o = proj(&attn, "self_attn.o_proj", hid, ab);
         if spec.family.sandwich() {
             o = norm(&o, &p("post_attention_layernorm"));
         }
@@ -729,11 +770,11 @@ pub fn reference_logits(
             "post_attention_layernorm"
         };
         let xn = norm(&x, &p(pre_ffn));
-        let g = linear(&xn, w(&p("mlp.gate_proj")), ffn);
-        let u = linear(&xn, w(&p("mlp.up_proj")), ffn);
+        let g = proj(&xn, "mlp.gate_proj", ffn, mb);
+        let u = proj(&xn, "mlp.up_proj", ffn, mb);
         let act = if gemma { gelu_tanh } else { silu };
         let gu: Vec<f64> = g.iter().zip(&u).map(|(g, u)| act(*g) * u).collect();
-        let mut m = linear(&gu, w(&p("mlp.down_proj")), hid);
+        let mut m = proj(&gu, "mlp.down_proj", hid, mb);
         if spec.family.sandwich() {
             m = norm(&m, &p("post_feedforward_layernorm"));
         }
