@@ -599,7 +599,7 @@ impl<S: KvStorage> InferenceParams<S> {
                 let pages = &mut seq.pages[p];
                 // Copy-on-write: the page the step starts writing in, when
                 // another sequence holds it or the prefix index names it.
-                if pool.ring_len.is_none() && start % pool.page_size != 0 {
+                if pool.ring_len.is_none() && !start.is_multiple_of(pool.page_size) {
                     let slot = start / pool.page_size;
                     let old = pages[slot];
                     let registered =
@@ -664,7 +664,7 @@ impl<S: KvStorage> InferenceParams<S> {
         };
         let held = seq.pages[p].len();
         let grow = pool.pages_for(seq.cached + step_len) - held;
-        let cow = pool.ring_len.is_none() && seq.cached % pool.page_size != 0 && {
+        let cow = pool.ring_len.is_none() && !seq.cached.is_multiple_of(pool.page_size) && {
             let old = seq.pages[p][seq.cached / pool.page_size];
             pool.refs(old) > 1
                 || (p == 0 && self.prefix.as_ref().is_some_and(|ix| ix.is_registered(old)))

@@ -5,7 +5,6 @@
 //! pool, as the model's parallel ops would be in a server's engine thread,
 //! so that rayon's own job queue does not allocate per parallel call).
 
-#[allow(dead_code)]
 mod tiny;
 
 use std::alloc::{GlobalAlloc, Layout, System};

@@ -5,7 +5,6 @@
 //! request run alone in an engine with room to spare; the f64 reference
 //! tests (`tiny_models.rs`) check that single runs are right.
 
-#[allow(dead_code)]
 mod tiny;
 
 use std::collections::BTreeMap;
