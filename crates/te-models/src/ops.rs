@@ -91,7 +91,7 @@ impl Linear {
 
     /// [`forward`](Self::forward) into `y: [t, out_features]`, with
     /// `scratch` reused across calls (the matrix-vector path's transposed
-    /// output for `1 < t <= 8`, and dequantized weight rows): decode
+    /// output for `1 < t <= 32`, and dequantized weight rows): decode
     /// allocates nothing once `scratch` has grown.
     pub fn forward_into(&self, x: &[f32], t: usize, y: &mut [f32], scratch: &mut Vec<f32>) {
         let (n, k) = (self.out_features, self.in_features);
@@ -229,21 +229,28 @@ unsafe fn gemv_quantized_block_avx2(
     if !crate::quant::avx2::available(ty) {
         return gemv_quantized_block_generic(x, t, k, ty, w, yt);
     }
-    match t {
-        1 => gemv_quantized_block_fused::<1>(x, k, ty, w, yt),
-        2 => gemv_quantized_block_fused::<2>(x, k, ty, w, yt),
-        3 => gemv_quantized_block_fused::<3>(x, k, ty, w, yt),
-        4 => gemv_quantized_block_fused::<4>(x, k, ty, w, yt),
-        5 => gemv_quantized_block_fused::<5>(x, k, ty, w, yt),
-        6 => gemv_quantized_block_fused::<6>(x, k, ty, w, yt),
-        7 => gemv_quantized_block_fused::<7>(x, k, ty, w, yt),
-        8 => gemv_quantized_block_fused::<8>(x, k, ty, w, yt),
-        _ => unreachable!("t <= GEMV_MAX_ROWS"),
+    // Rows of x in groups of up to FUSED_ROWS; each group reads the
+    // block's weights once. Every row's arithmetic is the same whatever
+    // the group, so results do not depend on t.
+    for r0 in (0..t).step_by(FUSED_ROWS) {
+        let c = (t - r0).min(FUSED_ROWS);
+        let xs = &x[r0 * k..(r0 + c) * k];
+        match c {
+            1 => gemv_quantized_block_fused::<1>(xs, k, ty, w, yt, t, r0),
+            2 => gemv_quantized_block_fused::<2>(xs, k, ty, w, yt, t, r0),
+            3 => gemv_quantized_block_fused::<3>(xs, k, ty, w, yt, t, r0),
+            4 => gemv_quantized_block_fused::<4>(xs, k, ty, w, yt, t, r0),
+            5 => gemv_quantized_block_fused::<5>(xs, k, ty, w, yt, t, r0),
+            6 => gemv_quantized_block_fused::<6>(xs, k, ty, w, yt, t, r0),
+            7 => gemv_quantized_block_fused::<7>(xs, k, ty, w, yt, t, r0),
+            8 => gemv_quantized_block_fused::<8>(xs, k, ty, w, yt, t, r0),
+            _ => unreachable!("groups of at most FUSED_ROWS"),
+        }
     }
 }
 
-/// [`gemv_quantized_block`] for `T` rows of `x` and a type with an AVX2
-/// decoder: each group of 32 weights is decoded into registers and
+/// [`gemv_quantized_block`] for `T` rows of `x` (columns `col0 .. col0 +
+/// T` of `yt: [rows, ld]`) and a type with an AVX2 decoder: each group of 32 weights is decoded into registers and
 /// multiplied into the accumulators directly (no scratch row). The
 /// products and sums are those of [`dot`] in the same order (lanes 0..8
 /// and 8..16 of its 16 accumulators, multiply then add, no FMA), so the
@@ -259,11 +266,14 @@ fn gemv_quantized_block_fused<const T: usize>(
     ty: GgmlType,
     w: &[u8],
     yt: &mut [f32],
+    ld: usize,
+    col0: usize,
 ) {
     use std::arch::x86_64::*;
-    let row_bytes = w.len() / (yt.len() / T);
+    let row_bytes = w.len() / (yt.len() / ld);
     let xs: [&[f32]; T] = std::array::from_fn(|i| &x[i * k..(i + 1) * k]);
-    for (w_row, out) in w.chunks_exact(row_bytes).zip(yt.chunks_exact_mut(T)) {
+    for (w_row, out) in w.chunks_exact(row_bytes).zip(yt.chunks_exact_mut(ld)) {
+        let out = &mut out[col0..col0 + T];
         // Per row of x: dot's accumulator lanes 0..8 and 8..16.
         let mut acc = [[_mm256_setzero_ps(); 2]; T];
         let groups = |e: usize, v: [__m256; 4]| {
@@ -353,10 +363,16 @@ fn gemm_xwt_into(
     }
 }
 
-/// Up to this many rows of `x`, [`matmul_transposed`] runs as
-/// matrix-vector products (decode), reading each weight row once; above,
-/// as a packed GEMM (prefill).
-const GEMV_MAX_ROWS: usize = 8;
+/// Up to this many rows of `x` (decode, batched decode), products run as
+/// matrix-vector products, reading each weight row once per group of
+/// [`FUSED_ROWS`] rows, with per-row arithmetic that does not depend on
+/// the number of rows: a sequence's logits are bit-identical alone and in
+/// a batch of up to 32. Above, as a packed GEMM (prefill).
+const GEMV_MAX_ROWS: usize = 32;
+
+/// Rows of `x` the fused quantized kernel keeps in registers at once.
+#[cfg(target_arch = "x86_64")]
+const FUSED_ROWS: usize = 8;
 
 /// Weight rows per parallel task of the matrix-vector path.
 const GEMV_BLOCK: usize = 64;
