@@ -370,6 +370,11 @@ impl<'a> Engine<'a> {
         self.cache.pages_in_use(l).unwrap_or(0) * self.cache.page_size(l).unwrap_or(0)
     }
 
+    /// The KV cache (its bookkeeping: pages in use, cached, free).
+    pub fn cache(&self) -> &InferenceParams {
+        &self.cache
+    }
+
     /// Whether prompts share prefix pages in this engine.
     pub fn prefix_caching(&self) -> bool {
         self.config.prefix_caching && self.cache.prefix_sharing()
@@ -530,6 +535,9 @@ impl<'a> Engine<'a> {
                 .filter(|(_, &n)| n > 0)
                 .map(|(s, &n)| (s.id, n))
                 .collect();
+            if steps.is_empty() {
+                return Ok(events);
+            }
             match self.cache.pre_step(&steps) {
                 Ok(()) => break feed,
                 Err(te_cache::CacheError::CacheFull { .. }) => {
@@ -589,7 +597,7 @@ impl<'a> Engine<'a> {
             let tok = seq.sampler.sample(logits_row, &seq.tokens);
             seq.tokens.push(tok);
             self.stats.generated_tokens += 1;
-            let (text, stopped) = seq.push_text(tok)?;
+            let (text, stopped) = seq.push_text(tok);
             events.push(Event::Token {
                 id: seq.id,
                 token: tok,
@@ -852,11 +860,13 @@ impl<'a> Engine<'a> {
 impl Seq<'_> {
     /// Decodes `tok` into the text; returns the text that may be sent now
     /// and whether a stop string appeared (the text then ends before it).
-    fn push_text(&mut self, tok: u32) -> Result<(String, bool)> {
+    /// A token the tokenizer cannot decode (a model vocabulary padded past
+    /// the tokenizer's) adds no text.
+    fn push_text(&mut self, tok: u32) -> (String, bool) {
         let Some(decoder) = self.decoder.as_mut() else {
-            return Ok((String::new(), false));
+            return (String::new(), false);
         };
-        if let Some(piece) = decoder.step(tok)? {
+        if let Ok(Some(piece)) = decoder.step(tok) {
             self.text.push_str(&piece);
         }
         // Text already sent holds no stop string nor the start of one (that
@@ -871,7 +881,7 @@ impl Seq<'_> {
             self.text.truncate(pos);
             let out = self.text[self.sent.min(pos)..].to_string();
             self.sent = self.text.len();
-            return Ok((out, true));
+            return (out, true);
         }
         // Hold back the longest tail that is a prefix of a stop string.
         let mut hold = 0;
@@ -889,7 +899,7 @@ impl Seq<'_> {
         let end = (self.text.len() - hold).max(self.sent);
         let out = self.text[self.sent..end].to_string();
         self.sent = end;
-        Ok((out, false))
+        (out, false)
     }
 }
 

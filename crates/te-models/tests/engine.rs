@@ -360,3 +360,114 @@ fn bad_requests_fail_alone() {
         matches!(&ev[..], [Event::Finished { id, reason: FinishReason::Length, .. }] if *id == zero)
     );
 }
+
+mod interleavings {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        /// A request: prompt seed, prompt length, new tokens, whether it
+        /// shares a stem with the others.
+        Add(u32, usize, usize, bool),
+        /// Abort the k-th unfinished request (if any).
+        Abort(usize),
+        /// Run this many steps.
+        Steps(usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            3 => (0u32..40, 1usize..30, 0usize..12, any::<bool>()).prop_map(|(s, l, n, p)| Op::Add(s, l, n, p)),
+            1 => (0usize..8).prop_map(Op::Abort),
+            3 => (1usize..6).prop_map(Op::Steps),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+
+        /// Random interleavings of adds (with shared prefixes), aborts and
+        /// steps under a small pool (preemption): the cache's bookkeeping
+        /// stays consistent after every operation, usage never exceeds the
+        /// capacity, every page is back at the end, and every request that
+        /// was not aborted gets exactly its tokens alone.
+        #[test]
+        fn engine_bookkeeping_balances(ops in prop::collection::vec(op(), 1..30), pool in 40usize..100) {
+            let ck = Checkpoint::write(Spec { seed: 31, ..Spec::llama() });
+            let model = ck.load().expect("load");
+            let config = EngineConfig {
+                max_batch_size: 4,
+                page_size: 4,
+                prefill_chunk: 8,
+                max_step_tokens: 16,
+                kv_cache_tokens: Some(pool),
+                ..EngineConfig::default()
+            };
+            let mut engine = Engine::new(&model, None, config).unwrap();
+            let mut requests: BTreeMap<u64, Request> = BTreeMap::new();
+            let mut out: BTreeMap<u64, (Vec<u32>, Option<FinishReason>)> = BTreeMap::new();
+            let record = |events: Vec<Event>, out: &mut BTreeMap<u64, (Vec<u32>, Option<FinishReason>)>| {
+                for e in events {
+                    match e {
+                        Event::Token { id, token, .. } => out.entry(id).or_default().0.push(token),
+                        Event::Finished { id, reason, .. } => out.entry(id).or_default().1 = Some(reason),
+                    }
+                }
+            };
+            for op in ops {
+                match op {
+                    Op::Add(seed, len, new, shared) => {
+                        let mut p = if shared { prompt(99, 9) } else { vec![] };
+                        p.extend(prompt(seed, len));
+                        let r = Request { ignore_eos: true, ..Request::new(p, new) };
+                        match engine.add_request(r.clone()) {
+                            Ok(id) => { requests.insert(id, r); }
+                            Err(e) => prop_assert!(r.prompt_tokens.len() >= engine.kv_capacity_tokens(), "{e}"),
+                        }
+                    }
+                    Op::Abort(k) => {
+                        let live: Vec<u64> = requests.keys().copied().filter(|id| out.get(id).is_none_or(|o| o.1.is_none())).collect();
+                        if let Some(&id) = live.get(k) {
+                            let before = engine.kv_tokens_in_use();
+                            engine.abort(id).unwrap();
+                            prop_assert!(engine.kv_tokens_in_use() <= before);
+                            out.entry(id).or_default();
+                        }
+                    }
+                    Op::Steps(n) => {
+                        for _ in 0..n {
+                            let ev = engine.step().unwrap();
+                            record(ev, &mut out);
+                        }
+                    }
+                }
+                engine.cache().check_consistency().map_err(TestCaseError::fail)?;
+                prop_assert!(engine.kv_tokens_in_use() <= engine.kv_capacity_tokens());
+            }
+            while engine.has_work() {
+                let ev = engine.step().unwrap();
+                record(ev, &mut out);
+                engine.cache().check_consistency().map_err(TestCaseError::fail)?;
+            }
+            prop_assert_eq!(engine.kv_tokens_in_use(), 0);
+            for (id, r) in &requests {
+                let (toks, reason) = &out[id];
+                prop_assert!(reason.is_some(), "request {} never finished", id);
+                if *reason == Some(FinishReason::Abort) {
+                    continue;
+                }
+                let want = alone(&model, std::slice::from_ref(r));
+                let n = r.prompt_tokens.len();
+                if n + r.max_new_tokens > engine.kv_capacity_tokens() {
+                    // Alone it fills the pool: cut short, with `length`.
+                    prop_assert_eq!(*reason, Some(FinishReason::Length));
+                    prop_assert!(toks.len() >= engine.kv_capacity_tokens() - n);
+                    prop_assert_eq!(&toks[..], &want[0][..toks.len()], "request {}", id);
+                } else {
+                    prop_assert_eq!(toks, &want[0], "request {}", id);
+                }
+            }
+        }
+    }
+}
