@@ -599,7 +599,7 @@ impl<S: KvStorage> InferenceParams<S> {
                 let pages = &mut seq.pages[p];
                 // Copy-on-write: the page the step starts writing in, when
                 // another sequence holds it or the prefix index names it.
-                if pool.ring_len.is_none() && start % pool.page_size != 0 {
+                if pool.ring_len.is_none() && !start.is_multiple_of(pool.page_size) {
                     let slot = start / pool.page_size;
                     let old = pages[slot];
                     let registered =
