@@ -26,7 +26,7 @@
 //!   a ring overwrites its pages as it turns.
 //! - **One plan per step**: `pre_step` builds the step's [`te_cache::StepPlan`],
 //!   which every layer borrows; the forward reuses one
-//!   [`Workspace`](crate::layer::Workspace).
+//!   [`Workspace`].
 //! - **Text**: each token event carries its text delta: UTF-8-complete,
 //!   with any tail that may still become a stop string held back until it
 //!   can no longer match; a stop string ends the request with

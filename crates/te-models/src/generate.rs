@@ -1,5 +1,5 @@
 //! Batch generation: every request run to completion through the
-//! [`Engine`](crate::engine::Engine), for callers that have all their
+//! [`Engine`], for callers that have all their
 //! prompts up front (tests, benches, scripts). A sequence gets the same
 //! tokens batched as alone.
 
