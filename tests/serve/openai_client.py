@@ -251,6 +251,16 @@ def test_disconnects():
     after = metrics()['te_requests_finished_total{reason="abort"}']
     check(after - before == 8, f"8 aborts counted ({before} -> {after})")
 
+    # A client waiting for a whole (non-streamed) answer that goes away.
+    sock = socket.create_connection((URL.hostname, URL.port), timeout=60)
+    body = json.dumps({"model": MODEL, "prompt": "Count:", "max_tokens": 4000, "ignore_eos": True}).encode()
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    wait_until(lambda: metrics()["te_sequences_running"] == 1, 30, "the whole-answer request to run")
+    sock.close()
+    wait_until(lambda: active() == 0, 10, "the whole-answer request to leave")
+    check(metrics()['te_requests_finished_total{reason="abort"}'] == after + 1, "its abort counted")
+
 
 def test_concurrency():
     """32 streaming clients at once, each answer equal to its greedy answer

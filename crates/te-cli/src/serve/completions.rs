@@ -147,6 +147,8 @@ async fn generate(
             arrived,
             last: None,
         },
+        generated: 0,
+        settled: false,
         _in_flight: in_flight,
     };
     if run.req.stream {
@@ -218,7 +220,23 @@ struct Run {
     req: GenerationRequest,
     prepared: Prepared,
     timing: Timing,
+    /// Tokens received so far, and whether the `Finished` event came (a
+    /// run dropped before it counts as an abort).
+    generated: usize,
+    settled: bool,
     _in_flight: InFlight,
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        if !self.settled {
+            // The client went away, the server shut down or the engine
+            // stopped; dropping `generation` aborts the sequence.
+            self.s
+                .metrics
+                .finished("abort", self.prepared.tokens.len(), self.generated);
+        }
+    }
 }
 
 /// What a generation delivered next, as the handlers see it.
@@ -253,6 +271,7 @@ impl Run {
         };
         match event {
             Some(Event::Token { token, text, .. }) => {
+                self.generated += 1;
                 self.timing.token(&self.s.metrics);
                 Step::Token { token, text }
             }
@@ -263,6 +282,7 @@ impl Run {
                 ..
             }) => match response::finish_reason(reason) {
                 Some(r) => {
+                    self.settled = true;
                     self.s.metrics.finished(
                         if reason == FinishReason::Length {
                             "length"
@@ -278,7 +298,7 @@ impl Run {
                         usage,
                     }
                 }
-                // The caller counts it (`note_abort`).
+                // Counted as an abort when the run is dropped.
                 None => Step::Failed(internal("The engine aborted the request.".into())),
             },
             None => Step::Failed(engine_stopped()),
@@ -312,19 +332,9 @@ impl Run {
                     )
                         .into_response());
                 }
-                Step::Failed(e) => {
-                    self.note_abort(tokens.len());
-                    return Err(e);
-                }
+                Step::Failed(e) => return Err(e),
             }
         }
-    }
-
-    /// Counts a request that ended without its `Finished` event.
-    fn note_abort(&self, generated: usize) {
-        self.s
-            .metrics
-            .finished("abort", self.prepared.tokens.len(), generated);
     }
 
     /// A server-sent event stream; a task feeds it, and stops (aborting
@@ -362,15 +372,18 @@ impl Run {
                 ..Delta::default()
             };
             if !send(chunk(&self.meta, &open)).await {
-                return self.note_abort(0);
+                return;
             }
         }
-        let mut generated = 0;
         loop {
-            let step = self.next().await;
+            // A body that hyper dropped (the client went away) ends the
+            // request even while no token comes (a long prompt).
+            let step = tokio::select! {
+                step = self.next() => step,
+                _ = tx.closed() => return,
+            };
             let ok = match step {
                 Step::Token { token, text } => {
-                    generated += 1;
                     let token = [token];
                     if text.is_empty() && !ids {
                         continue; // held back (incomplete character or possible stop)
@@ -409,14 +422,13 @@ impl Run {
                     return;
                 }
                 Step::Failed(e) => {
-                    self.note_abort(generated);
                     let _ = send(response::sse(&e.body())).await;
                     return;
                 }
             };
             if !ok {
                 // The client went away: dropping `self` aborts the request.
-                return self.note_abort(generated);
+                return;
             }
         }
     }

@@ -169,7 +169,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let served = runtime.block_on(serve(&args, state, cancel_tx));
     // Ends what is left (cancelled streams) and drops every engine handle,
     // so the engine loop returns.
-    drop(runtime);
+    runtime.shutdown_timeout(Duration::from_secs(10));
     served?;
     match engine_thread.join() {
         Ok(result) => result?,
