@@ -213,13 +213,14 @@ pub fn parse(
         return Err(ApiError::unsupported("n", "more than one choice (n > 1)"));
     }
 
-    let (min_tokens, max_param) = match endpoint {
-        Endpoint::Completions => (0, "max_tokens"),
-        Endpoint::Chat => (1, "max_completion_tokens"),
+    // For chat, `max_completion_tokens` replaces the deprecated `max_tokens`
+    // (and wins when both are given).
+    let (min_tokens, names): (i64, &[&str]) = match endpoint {
+        Endpoint::Completions => (0, &["max_tokens"]),
+        Endpoint::Chat => (1, &["max_tokens", "max_completion_tokens"]),
     };
     let mut max_tokens = None;
-    // For chat, `max_completion_tokens` replaces the deprecated `max_tokens`.
-    for name in ["max_tokens", max_param] {
+    for &name in names {
         if let Some(m) = f.int(name)? {
             if m < min_tokens {
                 return Err(ApiError::bad_value(
