@@ -1,10 +1,10 @@
-//! `cargo xtask bench [kernels|attention|models|engine]`: CPU kernel,
-//! attention, model throughput and engine (prefix reuse), printed as
-//! markdown tables for docs/benchmarks.md. With no argument every section
-//! runs.
+//! `cargo xtask bench [kernels|attention|models|engine|serve]`: CPU kernel,
+//! attention, model throughput, engine (prefix reuse) and `te serve`
+//! (concurrent streaming clients on loopback), printed as markdown tables
+//! for docs/benchmarks.md. With no argument every section runs.
 
 /// The sections, in the order they print.
-const SECTIONS: [&str; 4] = ["kernels", "attention", "models", "engine"];
+const SECTIONS: [&str; 5] = ["kernels", "attention", "models", "engine", "serve"];
 
 pub fn run(args: &[String]) -> anyhow::Result<()> {
     for a in args {
@@ -50,6 +50,17 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             "| case | prefix caching | prefill s | tokens computed | prefix hits | wall s |\n|---|---|---|---|---|---|"
         );
         for row in crate::bench_engine::run("smollm2-135m")? {
+            println!("{row}");
+        }
+        println!();
+    }
+    if wanted("serve") {
+        crate::fetch_models::run(&[])?;
+        println!("## Server (te serve, smollm2-135m, streaming, 32 new tokens per request)\n");
+        println!(
+            "| clients | requests | requests/s | generated tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |\n|---|---|---|---|---|---|---|---|"
+        );
+        for row in crate::bench_serve::run("smollm2-135m")? {
             println!("{row}");
         }
     }

@@ -6,6 +6,7 @@ mod bench_attention;
 mod bench_engine;
 mod bench_kernels;
 mod bench_models;
+mod bench_serve;
 mod fetch_models;
 mod gpu_bundle;
 mod kernels;
@@ -28,7 +29,7 @@ fn main() -> anyhow::Result<()> {
                 "usage: cargo xtask <command>\n\n\
                  commands:\n  \
                  test [--gpu]       run every test (fetches the test models first)\n  \
-                 bench [SECTION]    kernels, attention, models and engine benchmarks\n  \
+                 bench [SECTION]    kernels, attention, models, engine and serve benchmarks\n  \
                  kernels            compile kernels/*.cu with NVRTC for sm_80 and sm_90\n  \
                  fetch-models       download and verify the test models into $TE_HOME\n  \
                  gpu-bundle         GPU parity test binaries + run.sh for a GPU machine without Rust"

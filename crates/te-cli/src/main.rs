@@ -1,7 +1,8 @@
 //! `te`: the te-rs command line program.
 //!
 //! `te generate` runs a model on one or more prompts (batched, streaming),
-//! `te tokenize` prints token ids, `te inspect` describes a model, `te
+//! `te serve` answers OpenAI-compatible HTTP requests and serves a chat
+//! page, `te tokenize` prints token ids, `te inspect` describes a model, `te
 //! convert` writes a GGUF file as a Hugging Face directory, `te perplexity`
 //! scores a text file. `--model` takes a GGUF file, a Hugging
 //! Face model directory, or a known short name (`smollm2-135m`,
@@ -11,6 +12,7 @@ mod convert;
 mod generate;
 mod inspect;
 mod perplexity;
+mod serve;
 mod tokenize;
 
 use std::io::Write;
@@ -33,6 +35,8 @@ enum Command {
     /// Generate text from one or more prompts (raw completions, or chat
     /// replies with --chat).
     Generate(generate::Args),
+    /// Serve the model over an OpenAI-compatible HTTP API, with a chat page at /.
+    Serve(serve::Args),
     /// Print the token ids of a text.
     Tokenize(tokenize::Args),
     /// Describe a model: architecture, config, parameters, dtypes, tokenizer, memory.
@@ -47,6 +51,7 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
+        Command::Serve(args) => serve::run(args),
         Command::Tokenize(args) => tokenize::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Convert(args) => convert::run(args),

@@ -242,6 +242,21 @@ pub struct EngineStats {
     pub preemptions: usize,
 }
 
+/// The engine's gauges and counters at one moment ([`Engine::snapshot`],
+/// [`EngineHandle::snapshot`]: a server's metrics).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EngineSnapshot {
+    /// Requests running (admitted, holding KV pages).
+    pub running: usize,
+    /// Requests waiting for admission (new or preempted).
+    pub waiting: usize,
+    /// KV pages in use and in the pool (the full-attention pool).
+    pub kv_pages_in_use: usize,
+    pub kv_pages_total: usize,
+    /// Counters so far.
+    pub stats: EngineStats,
+}
+
 /// One request inside the engine.
 struct Seq<'a> {
     id: RequestId,
@@ -393,6 +408,19 @@ impl<'a> Engine<'a> {
     /// Requests waiting for admission (new or preempted).
     pub fn num_waiting(&self) -> usize {
         self.waiting.len()
+    }
+
+    /// Gauges and counters now.
+    pub fn snapshot(&self) -> EngineSnapshot {
+        let l = self.full_layer;
+        let in_use = self.cache.pages_in_use(l).unwrap_or(0);
+        EngineSnapshot {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            kv_pages_in_use: in_use,
+            kv_pages_total: in_use + self.cache.pages_free(l).unwrap_or(0),
+            stats: self.stats.clone(),
+        }
     }
 
     /// Whether any request is unfinished or any event is not yet returned.
@@ -731,6 +759,9 @@ impl<'a> Engine<'a> {
             Command::Abort(id) => {
                 let _ = self.abort(id);
             }
+            Command::Snapshot(reply) => {
+                let _ = reply.send(self.snapshot());
+            }
         }
     }
 
@@ -927,6 +958,8 @@ pub enum Command {
     },
     /// Abort a request (unknown ids are ignored).
     Abort(RequestId),
+    /// Send [`Engine::snapshot`] to the sender.
+    Snapshot(mpsc::Sender<EngineSnapshot>),
 }
 
 /// The thread-safe side of [`Engine::run`]: cheap to clone, usable from
@@ -972,6 +1005,18 @@ impl EngineHandle {
             .map_err(|_| EngineStopped)?;
         let result = reply_rx.recv().map_err(|_| EngineStopped)?;
         Ok(result.map(|id| (id, rx)))
+    }
+
+    /// The engine's [`EngineSnapshot`]; blocks until the engine takes the
+    /// command (at most one step).
+    ///
+    /// Errors: the engine loop has stopped.
+    pub fn snapshot(&self) -> std::result::Result<EngineSnapshot, EngineStopped> {
+        let (reply, rx) = mpsc::channel();
+        self.tx
+            .send(Command::Snapshot(reply))
+            .map_err(|_| EngineStopped)?;
+        rx.recv().map_err(|_| EngineStopped)
     }
 
     /// Asks the engine to abort `id` at its next step.

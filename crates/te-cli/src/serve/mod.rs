@@ -1,0 +1,271 @@
+//! `te serve`: an OpenAI-compatible HTTP server (axum on tokio) over the
+//! continuous-batching engine, and a chat page at `/`.
+//!
+//! ```text
+//! HTTP clients ──> axum handlers ──submit/abort──> EngineHandle ──> engine thread (Engine::run)
+//!                        ^                                              │
+//!                        └──── tokio channel <── bridge thread <── events (one std channel per request)
+//! ```
+//!
+//! The engine runs on a thread of its own; every request joins the running
+//! batch at its next step, and a client that disconnects mid-stream frees
+//! its sequence at the step after. Modules: [`routes`] (state, router,
+//! API key, small endpoints), [`completions`] (the two generation
+//! endpoints), [`api`] (request parsing and validation), [`response`]
+//! (response and chunk bodies), [`error`] (OpenAI error bodies), [`bridge`]
+//! (async side of the engine handle), [`metrics`] (Prometheus text),
+//! [`listener`] (connection limit).
+//!
+//! Shutdown (SIGINT or SIGTERM): stop accepting, answer new generation
+//! requests on open connections with 503, let running ones finish for
+//! `--shutdown-grace-secs`, then end the rest with an error (a second
+//! signal ends them at once), stop the engine, exit 0.
+
+mod api;
+mod bridge;
+mod completions;
+mod error;
+mod listener;
+mod metrics;
+mod response;
+mod routes;
+
+use std::future::IntoFuture;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use te_models::engine::{channel, Engine, EngineConfig};
+use tokio::sync::watch;
+
+use routes::AppState;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// GGUF file, Hugging Face directory, or known model name
+    /// (smollm2-135m, gemma3-270m).
+    #[arg(long)]
+    model: String,
+    /// Address to listen on (loopback by default; 0.0.0.0 for every
+    /// interface).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0: any free port; the address is printed).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// The model id clients use in `model` (default: the --model value).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Most sequences in the running batch.
+    #[arg(long, default_value_t = 32)]
+    max_batch_size: usize,
+    /// KV cache capacity in tokens, all sequences together (default: the
+    /// model's context, at most 32768).
+    #[arg(long)]
+    kv_cache_tokens: Option<usize>,
+    /// Do not share the KV pages of common prompt prefixes.
+    #[arg(long)]
+    no_prefix_caching: bool,
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health
+    /// and the chat page's files.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Largest request body in bytes (larger: 413).
+    #[arg(long, default_value_t = 2 * 1024 * 1024)]
+    max_body_bytes: usize,
+    /// Most open connections; more wait to be accepted.
+    #[arg(long, default_value_t = 512)]
+    max_connections: usize,
+    /// Most generation requests held at once (queued, running or
+    /// streaming); more get 429.
+    #[arg(long, default_value_t = 256)]
+    max_concurrent_requests: u64,
+    /// Seconds in-flight requests may take to finish after SIGINT/SIGTERM
+    /// before they are cancelled.
+    #[arg(long, default_value_t = 30)]
+    shutdown_grace_secs: u64,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    for (name, v) in [
+        ("--max-batch-size", args.max_batch_size),
+        ("--max-body-bytes", args.max_body_bytes),
+        ("--max-connections", args.max_connections),
+        (
+            "--max-concurrent-requests",
+            args.max_concurrent_requests as usize,
+        ),
+        ("--kv-cache-tokens", args.kv_cache_tokens.unwrap_or(1)),
+    ] {
+        if v == 0 {
+            bail!("{name} must be at least 1");
+        }
+    }
+    let loaded = Arc::new(crate::load(&args.model)?);
+    let config = EngineConfig {
+        max_batch_size: args.max_batch_size,
+        kv_cache_tokens: args.kv_cache_tokens,
+        prefix_caching: !args.no_prefix_caching,
+        ..EngineConfig::default()
+    };
+    let (handle, commands) = channel();
+    let engine_alive = Arc::new(AtomicBool::new(true));
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let engine_thread = std::thread::Builder::new()
+        .name("te-engine".into())
+        .spawn({
+            let loaded = loaded.clone();
+            let alive = engine_alive.clone();
+            move || -> anyhow::Result<()> {
+                let mut engine = match Engine::new(&loaded.model, Some(&loaded.tokenizer), config) {
+                    Ok(e) => e,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return Ok(());
+                    }
+                };
+                let _ = ready_tx.send(Ok((engine.kv_capacity_tokens(), engine.prefix_caching())));
+                let result = engine.run(commands);
+                alive.store(false, Ordering::SeqCst);
+                if let Err(e) = &result {
+                    eprintln!("error: the engine stopped: {e}");
+                }
+                Ok(result?)
+            }
+        })
+        .context("starting the engine thread")?;
+    let (kv_tokens, prefix_caching) = ready_rx
+        .recv()
+        .context("the engine thread ended before starting")??;
+    eprintln!(
+        "kv cache: {kv_tokens} tokens{}, batch up to {} sequences",
+        if prefix_caching {
+            ", prefix caching on"
+        } else {
+            ""
+        },
+        args.max_batch_size
+    );
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        // One blocking thread forwards each request's events.
+        .max_blocking_threads(args.max_concurrent_requests as usize + 64)
+        .build()
+        .context("starting the async runtime")?;
+    let (cancel_tx, cancel_rx) = watch::channel(false);
+    let state = Arc::new(AppState::new(
+        handle,
+        loaded.clone(),
+        args.served_model_name
+            .clone()
+            .unwrap_or_else(|| args.model.clone()),
+        args.api_key.clone(),
+        args.max_concurrent_requests,
+        args.max_body_bytes,
+        cancel_rx,
+        engine_alive,
+    ));
+    let served = runtime.block_on(serve(&args, state, cancel_tx));
+    // Ends what is left (cancelled streams) and drops every engine handle,
+    // so the engine loop returns.
+    runtime.shutdown_timeout(Duration::from_secs(10));
+    served?;
+    match engine_thread.join() {
+        Ok(result) => result?,
+        Err(_) => bail!("the engine thread panicked"),
+    }
+    eprintln!("shut down");
+    Ok(())
+}
+
+/// Binds, serves until a signal, then shuts down gracefully.
+async fn serve(
+    args: &Args,
+    state: Arc<AppState>,
+    cancel: watch::Sender<bool>,
+) -> anyhow::Result<()> {
+    let tcp = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    let addr = tcp.local_addr()?;
+    let listener = listener::LimitedListener::new(tcp, args.max_connections);
+    // Signals seen: 1 starts the graceful shutdown, 2 cancels at once.
+    let (signals_tx, mut signals) = watch::channel(0u32);
+    tokio::spawn(count_signals(signals_tx));
+    let mut first_signal = signals.clone();
+    let server =
+        axum::serve(listener, routes::router(state.clone())).with_graceful_shutdown(async move {
+            let _ = first_signal.wait_for(|&n| n >= 1).await;
+        });
+    let mut server = tokio::spawn(server.into_future());
+    eprintln!("listening on http://{addr} (model {})", state.model_name);
+    tokio::select! {
+        result = &mut server => return finished(result),
+        _ = signals.wait_for(|&n| n >= 1) => {}
+    }
+    state.start_shutdown();
+    eprintln!(
+        "shutting down: {} requests in flight, {} s to finish",
+        state.metrics.in_flight(),
+        args.shutdown_grace_secs
+    );
+    let grace = Duration::from_secs(args.shutdown_grace_secs);
+    tokio::select! {
+        result = &mut server => return finished(result),
+        _ = tokio::time::sleep(grace) => {}
+        _ = signals.wait_for(|&n| n >= 2) => {}
+    }
+    eprintln!(
+        "cancelling {} requests still in flight",
+        state.metrics.in_flight()
+    );
+    let _ = cancel.send(true);
+    // Cancelled streams end at once; do not wait forever for a client
+    // that stopped reading.
+    match tokio::time::timeout(Duration::from_secs(5), &mut server).await {
+        Ok(result) => finished(result),
+        Err(_) => {
+            server.abort();
+            Ok(())
+        }
+    }
+}
+
+fn finished(result: Result<std::io::Result<()>, tokio::task::JoinError>) -> anyhow::Result<()> {
+    result.context("the server task failed")?.context("serving")
+}
+
+/// Counts SIGINT and SIGTERM into `tx`.
+async fn count_signals(tx: watch::Sender<u32>) {
+    #[cfg(unix)]
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            eprintln!("cannot listen for SIGTERM: {e}");
+            None
+        }
+    };
+    loop {
+        #[cfg(unix)]
+        let got = async {
+            match term.as_mut() {
+                Some(t) => {
+                    t.recv().await;
+                }
+                None => std::future::pending::<()>().await,
+            }
+        };
+        #[cfg(not(unix))]
+        let got = std::future::pending::<()>();
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => {
+                if r.is_err() {
+                    return;
+                }
+            }
+            _ = got => {}
+        }
+        tx.send_modify(|n| *n += 1);
+    }
+}

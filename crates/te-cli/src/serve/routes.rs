@@ -1,0 +1,288 @@
+//! The router: the shared [`AppState`], the routes, the API-key and
+//! request-counting middleware, and the small endpoints (`/health`,
+//! `/v1/models`, `/metrics`, the chat page).
+
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};
+use axum::http::{header, Method, StatusCode, Uri};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde_json::json;
+use te_models::engine::EngineHandle;
+use te_models::loader::LoadedModel;
+use tokio::sync::watch;
+
+use super::api::Endpoint;
+use super::completions::{chat_completions, completions, unix_now};
+use super::error::ApiError;
+use super::metrics::Metrics;
+
+/// What every handler shares.
+pub struct AppState {
+    pub handle: EngineHandle,
+    pub loaded: Arc<LoadedModel>,
+    /// The id clients name in `model` (`--served-model-name`, or `--model`).
+    pub model_name: String,
+    /// Unix seconds at start (the model's `created`).
+    pub created: u64,
+    pub api_key: Option<String>,
+    pub metrics: Arc<Metrics>,
+    pub max_concurrent_requests: u64,
+    pub max_body_bytes: usize,
+    /// The model's context in tokens.
+    pub context_tokens: usize,
+    /// Becomes true when the shutdown grace period is over: running
+    /// generations end with an error.
+    pub cancel: watch::Receiver<bool>,
+    /// Whether the engine loop still runs.
+    pub engine_alive: Arc<AtomicBool>,
+    shutting_down: AtomicBool,
+    next_id: AtomicU64,
+    random: RandomState,
+}
+
+impl AppState {
+    /// A new state (not shutting down).
+    pub fn new(
+        handle: EngineHandle,
+        loaded: Arc<LoadedModel>,
+        model_name: String,
+        api_key: Option<String>,
+        max_concurrent_requests: u64,
+        max_body_bytes: usize,
+        cancel: watch::Receiver<bool>,
+        engine_alive: Arc<AtomicBool>,
+    ) -> Self {
+        AppState {
+            context_tokens: loaded.model.config.max_position_embeddings,
+            handle,
+            loaded,
+            model_name,
+            created: unix_now(),
+            api_key,
+            metrics: Arc::new(Metrics::default()),
+            max_concurrent_requests,
+            max_body_bytes,
+            cancel,
+            engine_alive,
+            shutting_down: AtomicBool::new(false),
+            next_id: AtomicU64::new(0),
+            random: RandomState::new(),
+        }
+    }
+
+    /// New generation requests get 503 from now on.
+    pub fn start_shutdown(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::SeqCst)
+    }
+
+    fn counter(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// A fresh sampling seed for a request that names none.
+    pub fn random_seed(&self) -> u64 {
+        self.random.hash_one(self.counter())
+    }
+
+    /// `cmpl-...` / `chatcmpl-...`, unique for this process.
+    pub fn response_id(&self, endpoint: Endpoint) -> String {
+        let prefix = match endpoint {
+            Endpoint::Completions => "cmpl",
+            Endpoint::Chat => "chatcmpl",
+        };
+        let n = self.counter();
+        format!("{prefix}-{:016x}{n:x}", self.random.hash_one(n ^ 0x5eed))
+    }
+}
+
+/// Paths served without an API key: the health check and the chat page's
+/// static files (the page asks for the key and sends it with its API
+/// calls).
+const PUBLIC_PATHS: [&str; 4] = ["/health", "/", "/chat.css", "/chat.js"];
+
+const PAGE_HTML: &str = include_str!("static/index.html");
+const PAGE_CSS: &str = include_str!("static/chat.css");
+const PAGE_JS: &str = include_str!("static/chat.js");
+
+/// Every route, behind the body limit, the API-key check and the request
+/// counter (outermost, so refusals are counted too).
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{*model}", get(model))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route(
+            "/",
+            get(|| async { static_file("text/html; charset=utf-8", PAGE_HTML) }),
+        )
+        .route(
+            "/chat.css",
+            get(|| async { static_file("text/css", PAGE_CSS) }),
+        )
+        .route(
+            "/chat.js",
+            get(|| async { static_file("text/javascript", PAGE_JS) }),
+        )
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(state.max_body_bytes))
+        .layer(middleware::from_fn_with_state(state.clone(), require_key))
+        .layer(middleware::from_fn_with_state(state.clone(), count))
+        .with_state(state)
+}
+
+/// A JSON body with `status`.
+pub fn json_response(status: StatusCode, v: &serde_json::Value) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        v.to_string(),
+    )
+        .into_response()
+}
+
+fn static_file(content_type: &'static str, body: &'static str) -> Response {
+    ([(header::CONTENT_TYPE, content_type)], body).into_response()
+}
+
+/// Counts each response by route and status.
+async fn count(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "other".to_string(), |m| m.as_str().to_string());
+    let response = next.run(req).await;
+    s.metrics.http_request(&route, response.status().as_u16());
+    response
+}
+
+/// With `--api-key`: `Authorization: Bearer KEY` on every path but
+/// [`PUBLIC_PATHS`], else 401.
+async fn require_key(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let Some(key) = &s.api_key else {
+        return next.run(req).await;
+    };
+    if PUBLIC_PATHS.contains(&req.uri().path()) {
+        return next.run(req).await;
+    }
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    match given {
+        Some(g) if same_secret(g.trim().as_bytes(), key.as_bytes()) => next.run(req).await,
+        Some(_) => unauthorized("Incorrect API key provided."),
+        None => unauthorized(
+            "You didn't provide an API key. You need to provide your API key in an \
+             Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
+        ),
+    }
+}
+
+fn unauthorized(message: &str) -> Response {
+    ApiError::status(
+        StatusCode::UNAUTHORIZED,
+        "invalid_request_error",
+        "invalid_api_key",
+        message,
+    )
+    .into_response()
+}
+
+/// Equality that takes the same time wherever the first difference is.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn not_found(method: Method, uri: Uri) -> ApiError {
+    ApiError::status(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "unknown_url",
+        format!("Unknown request URL: {method} {}.", uri.path()),
+    )
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::status(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        "method_not_allowed",
+        format!("{method} is not allowed on {}.", uri.path()),
+    )
+}
+
+/// `GET /health`: 200 while the engine runs, 503 once it has stopped.
+async fn health(State(s): State<Arc<AppState>>) -> Response {
+    if s.engine_alive.load(Ordering::SeqCst) {
+        json_response(StatusCode::OK, &json!({"status": "ok"}))
+    } else {
+        json_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &json!({"status": "engine stopped"}),
+        )
+    }
+}
+
+fn model_object(s: &AppState) -> serde_json::Value {
+    json!({
+        "id": s.model_name,
+        "object": "model",
+        "created": s.created,
+        "owned_by": "te-rs",
+        "max_model_len": s.context_tokens,
+    })
+}
+
+/// `GET /v1/models`.
+async fn models(State(s): State<Arc<AppState>>) -> Response {
+    json_response(
+        StatusCode::OK,
+        &json!({"object": "list", "data": [model_object(&s)]}),
+    )
+}
+
+/// `GET /v1/models/{model}`.
+async fn model(State(s): State<Arc<AppState>>, Path(name): Path<String>) -> Response {
+    if name == s.model_name {
+        json_response(StatusCode::OK, &model_object(&s))
+    } else {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!("The model `{name}` does not exist."),
+            kind: "invalid_request_error",
+            param: Some("model".into()),
+            code: Some("model_not_found"),
+        }
+        .into_response()
+    }
+}
+
+/// `GET /metrics` (see [`super::metrics`]).
+async fn metrics(State(s): State<Arc<AppState>>) -> Response {
+    let handle = s.handle.clone();
+    let snapshot = tokio::task::spawn_blocking(move || handle.snapshot().ok())
+        .await
+        .ok()
+        .flatten();
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        s.metrics.render(snapshot.as_ref()),
+    )
+        .into_response()
+}
