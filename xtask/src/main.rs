@@ -1,5 +1,5 @@
 //! `cargo xtask`: the project's build tooling (test, bench, kernels,
-//! fetch-models, gpu-bundle). One module per command.
+//! fetch-models, gpu-bundle, peers). One module per command.
 
 mod bench;
 mod bench_attention;
@@ -9,6 +9,7 @@ mod bench_models;
 mod fetch_models;
 mod gpu_bundle;
 mod kernels;
+mod peers;
 mod test;
 
 fn main() -> anyhow::Result<()> {
@@ -23,6 +24,7 @@ fn main() -> anyhow::Result<()> {
         "kernels" => kernels::run(rest),
         "fetch-models" => fetch_models::run(rest),
         "gpu-bundle" => gpu_bundle::run(rest),
+        "peers" => peers::run(rest),
         _ => {
             eprintln!(
                 "usage: cargo xtask <command>\n\n\
@@ -31,7 +33,8 @@ fn main() -> anyhow::Result<()> {
                  bench [SECTION]    kernels, attention, models and engine benchmarks\n  \
                  kernels            compile kernels/*.cu with NVRTC for sm_80 and sm_90\n  \
                  fetch-models       download and verify the test models into $TE_HOME\n  \
-                 gpu-bundle         GPU parity test binaries + run.sh for a GPU machine without Rust"
+                 gpu-bundle         GPU parity test binaries + run.sh for a GPU machine without Rust\n  \
+                 peers              build llama.cpp once into $TE_HOME/peers (for bench --vs-llama-cpp)"
             );
             if cmd == "help" || cmd == "--help" {
                 Ok(())
