@@ -1,12 +1,16 @@
 //! `cargo xtask bench [kernels|attention|models|engine]`: CPU kernel,
 //! attention, model throughput and engine (prefix reuse), printed as
 //! markdown tables for docs/benchmarks.md. With no argument every section
-//! runs.
+//! runs. `--vs-llama-cpp` runs the same-run comparison with llama.cpp
+//! instead (`bench_peers`).
 
 /// The sections, in the order they print.
 const SECTIONS: [&str; 4] = ["kernels", "attention", "models", "engine"];
 
 pub fn run(args: &[String]) -> anyhow::Result<()> {
+    if args.iter().any(|a| a == "--vs-llama-cpp") {
+        return crate::bench_peers::run(args);
+    }
     for a in args {
         if !SECTIONS.contains(&a.as_str()) {
             anyhow::bail!(
