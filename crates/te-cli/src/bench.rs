@@ -8,9 +8,10 @@
 //!   prompt and N forward passes of one token (llama-bench's `test_gen`
 //!   decodes N single tokens at positions 0..N).
 //! - Each test runs once as warm-up (the whole prompt for pp, one token for
-//!   tg, as llama-bench), then `-r` times, timed; `samples_ts[i] = (n_prompt
-//!   + n_gen) / samples_ns[i]`, `avg_ts`/`stddev_ts` are their mean and
-//!   sample standard deviation (n - 1), as llama-bench reports them.
+//!   tg, as llama-bench), then `-r` times, timed;
+//!   `samples_ts[i] = (n_prompt + n_gen) / samples_ns[i]`, and
+//!   `avg_ts`/`stddev_ts` are their mean and sample standard deviation
+//!   (n - 1), as llama-bench reports them.
 //!
 //! **llama-batched-bench mode** (`--batched`): for every `(pp, tg, pl)`:
 //! `pl` prompts of `pp` tokens prefilled together, then `tg` decode steps
