@@ -2,11 +2,16 @@
 //! attention, model throughput, engine (prefix reuse) and `te serve`
 //! (concurrent streaming clients on loopback), printed as markdown tables
 //! for docs/benchmarks.md. With no argument every section runs.
+//! `--vs-llama-cpp` runs the same-run comparison with llama.cpp instead
+//! (`bench_peers`).
 
 /// The sections, in the order they print.
 const SECTIONS: [&str; 5] = ["kernels", "attention", "models", "engine", "serve"];
 
 pub fn run(args: &[String]) -> anyhow::Result<()> {
+    if args.iter().any(|a| a == "--vs-llama-cpp") {
+        return crate::bench_peers::run(args);
+    }
     for a in args {
         if !SECTIONS.contains(&a.as_str()) {
             anyhow::bail!(

@@ -1,7 +1,8 @@
 //! Model throughput: prompt processing (a 128-token prompt) and generation
 //! (64 new tokens, greedy) on each known model. No peer column: figures
-//! recorded on another machine are not comparable, and a llama.cpp run in
-//! the same session is still to come (`cargo xtask bench --vs-llama-cpp`).
+//! recorded on another machine are not comparable; the same-run
+//! comparison with llama.cpp is `cargo xtask bench --vs-llama-cpp`
+//! (`bench_peers`), through `te bench`.
 
 use std::time::Instant;
 

@@ -1,15 +1,17 @@
 //! `cargo xtask`: the project's build tooling (test, bench, kernels,
-//! fetch-models, gpu-bundle). One module per command.
+//! fetch-models, gpu-bundle, peers). One module per command.
 
 mod bench;
 mod bench_attention;
 mod bench_engine;
 mod bench_kernels;
 mod bench_models;
+mod bench_peers;
 mod bench_serve;
 mod fetch_models;
 mod gpu_bundle;
 mod kernels;
+mod peers;
 mod test;
 
 fn main() -> anyhow::Result<()> {
@@ -24,15 +26,18 @@ fn main() -> anyhow::Result<()> {
         "kernels" => kernels::run(rest),
         "fetch-models" => fetch_models::run(rest),
         "gpu-bundle" => gpu_bundle::run(rest),
+        "peers" => peers::run(rest),
         _ => {
             eprintln!(
                 "usage: cargo xtask <command>\n\n\
                  commands:\n  \
                  test [--gpu]       run every test (fetches the test models first)\n  \
                  bench [SECTION]    kernels, attention, models, engine and serve benchmarks\n  \
+                 bench --vs-llama-cpp [--threads N]  te-rs and llama.cpp on the same files, same run\n  \
                  kernels            compile kernels/*.cu with NVRTC for sm_80 and sm_90\n  \
                  fetch-models       download and verify the test models into $TE_HOME\n  \
-                 gpu-bundle         GPU parity test binaries + run.sh for a GPU machine without Rust"
+                 gpu-bundle         GPU parity test binaries + run.sh for a GPU machine without Rust\n  \
+                 peers              build llama.cpp once into $TE_HOME/peers (for bench --vs-llama-cpp)"
             );
             if cmd == "help" || cmd == "--help" {
                 Ok(())

@@ -71,6 +71,8 @@ pub struct Args {
     /// Print run statistics as one JSON object on stderr at the end.
     #[arg(long)]
     stats: bool,
+    #[command(flatten)]
+    threads: crate::Threads,
 }
 
 /// What one prompt has produced so far.
@@ -82,6 +84,7 @@ struct Output {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    args.threads.init()?;
     let mut prompts = args.prompt.clone();
     if let Some(path) = &args.prompt_file {
         let text = std::fs::read_to_string(path)

@@ -4,10 +4,13 @@
 //! `te serve` answers OpenAI-compatible HTTP requests and serves a chat
 //! page, `te tokenize` prints token ids, `te inspect` describes a model, `te
 //! convert` writes a GGUF file as a Hugging Face directory, `te perplexity`
-//! scores a text file. `--model` takes a GGUF file, a Hugging
+//! scores a text file, `te bench` measures prompt processing and
+//! generation speed in llama-bench's and llama-batched-bench's terms.
+//! Commands that compute take `--threads N` (`-t`, [`Threads`]). `--model` takes a GGUF file, a Hugging
 //! Face model directory, or a known short name (`smollm2-135m`,
 //! `gemma3-270m`) fetched into `$TE_HOME` on first use.
 
+mod bench;
 mod convert;
 mod generate;
 mod inspect;
@@ -45,6 +48,9 @@ enum Command {
     Convert(convert::Args),
     /// Perplexity over a text file, in windows like llama.cpp's llama-perplexity.
     Perplexity(perplexity::Args),
+    /// Prompt-processing and generation speed, as llama-bench (or
+    /// llama-batched-bench with --batched) measures it.
+    Bench(bench::Args),
 }
 
 fn main() {
@@ -56,6 +62,7 @@ fn main() {
         Command::Inspect(args) => inspect::run(args),
         Command::Convert(args) => convert::run(args),
         Command::Perplexity(args) => perplexity::run(args),
+        Command::Bench(args) => bench::run(args),
     };
     if let Err(e) = result {
         // A reader that went away (`te tokenize ... | head -c 1`): exit
@@ -106,6 +113,44 @@ impl Write for Stdout {
 /// A progress note on stderr; a stderr that cannot be written is ignored.
 fn note(text: std::fmt::Arguments) {
     let _ = writeln!(std::io::stderr(), "{text}");
+}
+
+/// `--threads N` (`-t N`): the threads a computing command uses, for every
+/// such command (flatten it into the command's arguments and call
+/// [`Threads::init`] first thing).
+#[derive(clap::Args, Clone, Debug)]
+pub struct Threads {
+    /// Compute threads (default: the cores this process may use).
+    #[arg(short = 't', long = "threads")]
+    pub threads: Option<usize>,
+}
+
+impl Threads {
+    /// Sets up the process's compute threads once, before any computation,
+    /// and returns their number: one rayon global pool of N threads, and
+    /// `MATMUL_NUM_THREADS=N` for `matrixmultiply` (the prefill GEMM), which
+    /// runs its own thread pool (not rayon's; it reads the variable once, at
+    /// its first product, and uses at most 4 threads). The GEMM runs on the
+    /// calling thread while the rayon pool is idle, so at most N threads
+    /// compute at a time.
+    ///
+    /// Errors: `--threads 0`, or a pool that cannot be built (already built,
+    /// or the system refuses the threads).
+    pub fn init(&self) -> anyhow::Result<usize> {
+        let n = match self.threads {
+            Some(0) => anyhow::bail!("--threads must be at least 1"),
+            Some(n) => n,
+            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        };
+        // Before any thread of ours exists: nothing reads the environment
+        // concurrently.
+        std::env::set_var("MATMUL_NUM_THREADS", n.to_string());
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .map_err(|e| anyhow::anyhow!("--threads {n}: cannot start the thread pool: {e}"))?;
+        Ok(n)
+    }
 }
 
 /// Resolves and loads `--model`, reporting progress on stderr.

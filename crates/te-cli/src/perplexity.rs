@@ -24,9 +24,12 @@ pub struct Args {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    threads: crate::Threads,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    args.threads.init()?;
     let mut out = crate::stdout();
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("reading {}", args.file.display()))?;

@@ -47,6 +47,8 @@ pub struct Args {
     /// (smollm2-135m, gemma3-270m).
     #[arg(long)]
     model: String,
+    #[command(flatten)]
+    threads: crate::Threads,
     /// Address to listen on (loopback by default; 0.0.0.0 for every
     /// interface).
     #[arg(long, default_value = "127.0.0.1")]
@@ -88,6 +90,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    args.threads.init()?;
     for (name, v) in [
         ("--max-batch-size", args.max_batch_size),
         ("--max-body-bytes", args.max_body_bytes),

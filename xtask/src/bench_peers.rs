@@ -1,0 +1,318 @@
+//! `cargo xtask bench --vs-llama-cpp [--threads N]`: te-rs against
+//! llama.cpp on the same GGUF files, the same threads, in one run.
+//!
+//! For each known model, alternating which engine goes first: llama.cpp's
+//! `llama-bench -p 128,512 -n 64 -r 3 -o json` and `te bench` with the same
+//! arguments; `llama-batched-bench -npp 128 -ntg 128 -npl 1,8,32
+//! --output-format jsonl` and `te bench --batched` with the same; and the
+//! peak resident memory (`/usr/bin/time -f %M`) of a short greedy
+//! completion, `llama-completion` against `te generate`, same file, same
+//! context. Prints one markdown table with every figure and its ratio
+//! (te-rs / llama.cpp), for docs/benchmarks.md. llama.cpp comes from
+//! `cargo xtask peers` (built on first use); `te` is built here. Not part
+//! of CI.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use anyhow::{bail, Context};
+use serde_json::Value;
+
+/// The models compared.
+const MODELS: [&str; 2] = ["smollm2-135m", "gemma3-270m"];
+
+/// llama-bench's tests, and its repetitions.
+const N_PROMPT: &str = "128,512";
+const N_GEN: &str = "64";
+const REPS: &str = "3";
+
+/// llama-batched-bench's configuration.
+const NPP: usize = 128;
+const NTG: usize = 128;
+const NPL: [usize; 3] = [1, 8, 32];
+
+/// Context (KV tokens) and length of the memory run.
+const MEM_CTX: usize = 4096;
+const MEM_NEW_TOKENS: usize = 16;
+const MEM_PROMPT: &str = "The capital of France is";
+
+pub fn run(args: &[String]) -> anyhow::Result<()> {
+    let mut threads = 2usize;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--vs-llama-cpp" => {}
+            "--threads" | "-t" => {
+                threads = it
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .filter(|&n: &usize| n > 0)
+                    .context("--threads takes a positive integer")?;
+            }
+            other => bail!("bench --vs-llama-cpp: unknown argument `{other}` (takes --threads N)"),
+        }
+    }
+    if !Path::new("/usr/bin/time").is_file() {
+        bail!("/usr/bin/time is missing (the memory comparison needs it): apt-get install -y time");
+    }
+    let llama = crate::peers::ensure_llama_cpp()?;
+    let te = build_te()?;
+    crate::fetch_models::run(&[])?;
+    let t = threads.to_string();
+    println!("## te-rs and llama.cpp, same run\n");
+    println!(
+        "llama.cpp {} (llama-cpp-python {}), {threads} threads, both engines on the same GGUF file.\n",
+        crate::peers::LLAMA_CPP_COMMIT,
+        crate::peers::LLAMA_CPP_PYTHON
+    );
+    println!("| model | test | llama.cpp | te-rs | te-rs / llama.cpp |\n|---|---|---|---|---|");
+    for (i, name) in MODELS.iter().enumerate() {
+        let source = te_models::hub::resolve_model(name)?;
+        let te_models::hub::ModelSource::Gguf(file) = source else {
+            bail!("{name} did not resolve to a GGUF file");
+        };
+        let file = file.display().to_string();
+        let te_first = i % 2 == 1;
+        let mut rows = Vec::new();
+
+        // llama-bench and te bench.
+        let bench_args = [
+            "-m", &file, "-t", &t, "-p", N_PROMPT, "-n", N_GEN, "-r", REPS, "-o", "json",
+        ];
+        let run_llama = || -> anyhow::Result<Vec<(String, f64, f64)>> {
+            single_results(&capture(
+                Command::new(llama.tool("llama-bench")).args(bench_args),
+                "llama-bench",
+            )?)
+        };
+        let run_te = || -> anyhow::Result<Vec<(String, f64, f64)>> {
+            single_results(&capture(
+                Command::new(&te).arg("bench").args(bench_args),
+                "te bench",
+            )?)
+        };
+        let (l, r) = alternate(te_first, run_llama, run_te)?;
+        for (test, avg, sd) in &l {
+            let Some((_, t_avg, t_sd)) = r.iter().find(|(n, _, _)| n == test) else {
+                bail!("te bench has no {test} result");
+            };
+            rows.push(format!(
+                "| {name} | {test} t/s | {avg:.1} ± {sd:.1} | {t_avg:.1} ± {t_sd:.1} | {:.2}x |",
+                t_avg / avg
+            ));
+        }
+
+        // llama-batched-bench and te bench --batched.
+        let npp = NPP.to_string();
+        let ntg = NTG.to_string();
+        let npl = NPL.map(|n| n.to_string()).join(",");
+        let max_pl = *NPL.iter().max().expect("NPL is not empty");
+        // Non-unified KV: each of max_pl sequences gets ctx / max_pl.
+        let ctx = (max_pl * (NPP + NTG + 1)).div_ceil(256) * 256;
+        let run_llama = || -> anyhow::Result<Vec<Value>> {
+            let mut cmd = Command::new(llama.tool("llama-batched-bench"));
+            cmd.args(["-m", &file, "-t", &t, "-c", &ctx.to_string()])
+                .args([
+                    "-npp",
+                    &npp,
+                    "-ntg",
+                    &ntg,
+                    "-npl",
+                    &npl,
+                    "--output-format",
+                    "jsonl",
+                ]);
+            jsonl(&capture(&mut cmd, "llama-batched-bench")?)
+        };
+        let run_te = || -> anyhow::Result<Vec<Value>> {
+            let mut cmd = Command::new(&te);
+            cmd.args(["bench", "--batched", "-m", &file, "-t", &t])
+                .args(["--npp", &npp, "--ntg", &ntg, "--npl", &npl, "-o", "jsonl"]);
+            jsonl(&capture(&mut cmd, "te bench --batched")?)
+        };
+        let (l, r) = alternate(te_first, run_llama, run_te)?;
+        let mut te_tg = Vec::new();
+        for pl in NPL {
+            let find = |v: &[Value], who: &str| -> anyhow::Result<(f64, f64)> {
+                let row = v
+                    .iter()
+                    .find(|o| o["pl"].as_u64() == Some(pl as u64))
+                    .with_context(|| format!("{who} has no pl {pl} result"))?;
+                Ok((num(row, "speed_pp")?, num(row, "speed_tg")?))
+            };
+            let (l_pp, l_tg) = find(&l, "llama-batched-bench")?;
+            let (t_pp, t_tg) = find(&r, "te bench --batched")?;
+            te_tg.push(t_tg);
+            rows.push(format!(
+                "| {name} | batched pp {NPP} pl {pl}: speed_pp t/s | {l_pp:.1} | {t_pp:.1} | {:.2}x |",
+                t_pp / l_pp
+            ));
+            rows.push(format!(
+                "| {name} | batched tg {NTG} pl {pl}: speed_tg t/s | {l_tg:.1} | {t_tg:.1} | {:.2}x |",
+                t_tg / l_tg
+            ));
+        }
+        if let (Some(first), Some(last)) = (te_tg.first(), te_tg.last()) {
+            rows.push(format!(
+                "| {name} | te-rs speed_tg pl {max_pl} / pl {} | | {:.2}x | |",
+                NPL[0],
+                last / first
+            ));
+        }
+
+        // Peak resident memory of a short completion.
+        let n = MEM_NEW_TOKENS.to_string();
+        let c = MEM_CTX.to_string();
+        let run_llama = || -> anyhow::Result<u64> {
+            let mut cmd = Command::new(llama.tool("llama-completion"));
+            cmd.args(["-m", &file, "-t", &t, "-c", &c, "-n", &n, "-p", MEM_PROMPT])
+                .args(["--temp", "0", "-no-cnv"]);
+            peak_rss_kb(cmd, "llama-completion")
+        };
+        let run_te = || -> anyhow::Result<u64> {
+            let mut cmd = Command::new(&te);
+            cmd.args([
+                "generate",
+                "--model",
+                &file,
+                "-t",
+                &t,
+                "--kv-cache-tokens",
+                &c,
+            ])
+            .args(["--max-new-tokens", &n, "--prompt", MEM_PROMPT]);
+            peak_rss_kb(cmd, "te generate")
+        };
+        let (l, r) = alternate(te_first, run_llama, run_te)?;
+        rows.push(format!(
+            "| {name} | peak RSS, {MEM_NEW_TOKENS}-token completion, ctx {MEM_CTX} | {:.0} MiB | {:.0} MiB | {:.2}x |",
+            l as f64 / 1024.0,
+            r as f64 / 1024.0,
+            r as f64 / l as f64
+        ));
+        for row in rows {
+            println!("{row}");
+        }
+    }
+    println!(
+        "\nCommands: `llama-bench -m FILE -t {t} -p {N_PROMPT} -n {N_GEN} -r {REPS} -o json` and \
+         `te bench` with the same arguments; `llama-batched-bench -m FILE -t {t} -c {} -npp {NPP} \
+         -ntg {NTG} -npl {} --output-format jsonl` and `te bench --batched -m FILE -t {t} --npp {NPP} \
+         --ntg {NTG} --npl {}`; `/usr/bin/time -f %M` of `llama-completion -m FILE -t {t} -c {MEM_CTX} \
+         -n {MEM_NEW_TOKENS} -p \"{MEM_PROMPT}\" --temp 0 -no-cnv` and `te generate --model FILE -t {t} \
+         --kv-cache-tokens {MEM_CTX} --max-new-tokens {MEM_NEW_TOKENS} --prompt \"{MEM_PROMPT}\"`.",
+        (NPL.iter().max().copied().unwrap_or(1) * (NPP + NTG + 1)).div_ceil(256) * 256,
+        NPL.map(|n| n.to_string()).join(","),
+        NPL.map(|n| n.to_string()).join(","),
+    );
+    Ok(())
+}
+
+/// Runs `llama` and `te` one after the other, `te` first when `te_first`,
+/// and returns (llama's, te's).
+fn alternate<A, B>(
+    te_first: bool,
+    llama: impl FnOnce() -> anyhow::Result<A>,
+    te: impl FnOnce() -> anyhow::Result<B>,
+) -> anyhow::Result<(A, B)> {
+    if te_first {
+        let b = te()?;
+        Ok((llama()?, b))
+    } else {
+        let a = llama()?;
+        Ok((a, te()?))
+    }
+}
+
+/// Builds the `te` binary (release) and returns its path.
+fn build_te() -> anyhow::Result<PathBuf> {
+    let root = crate::workspace_root();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = Command::new(cargo)
+        .current_dir(&root)
+        .args(["build", "--release", "-p", "te-cli"])
+        .status()
+        .context("running cargo build")?;
+    if !status.success() {
+        bail!("cargo build --release -p te-cli failed");
+    }
+    let target =
+        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
+    Ok(target.join("release").join("te"))
+}
+
+/// Stdout of `cmd`; on failure, an error with the end of its stderr.
+fn capture(cmd: &mut Command, what: &str) -> anyhow::Result<String> {
+    eprintln!("bench: {what} ...");
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {what}"))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        let tail: Vec<&str> = err.lines().rev().take(5).collect();
+        bail!(
+            "{what} failed ({}): {}",
+            out.status,
+            tail.into_iter().rev().collect::<Vec<_>>().join(" / ")
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// `(test name, avg_ts, stddev_ts)` of each object of a llama-bench JSON
+/// array (test names as llama-bench's markdown: `pp128`, `tg64`).
+fn single_results(json: &str) -> anyhow::Result<Vec<(String, f64, f64)>> {
+    let v: Value = serde_json::from_str(json.trim()).context("parsing llama-bench JSON")?;
+    let arr = v.as_array().context("llama-bench JSON is not an array")?;
+    arr.iter()
+        .map(|o| {
+            let p = o["n_prompt"].as_u64().context("n_prompt")?;
+            let n = o["n_gen"].as_u64().context("n_gen")?;
+            let name = match (p, n) {
+                (p, 0) => format!("pp{p}"),
+                (0, n) => format!("tg{n}"),
+                (p, n) => format!("pp{p}+tg{n}"),
+            };
+            Ok((name, num(o, "avg_ts")?, num(o, "stddev_ts")?))
+        })
+        .collect()
+}
+
+/// The JSON objects among `text`'s lines (llama-batched-bench mixes its
+/// jsonl with log lines).
+fn jsonl(text: &str) -> anyhow::Result<Vec<Value>> {
+    let rows: Vec<Value> = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with('{'))
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    if rows.is_empty() {
+        bail!("no JSON lines in the output");
+    }
+    Ok(rows)
+}
+
+fn num(o: &Value, field: &str) -> anyhow::Result<f64> {
+    o[field]
+        .as_f64()
+        .with_context(|| format!("field `{field}` missing or not a number"))
+}
+
+/// Peak resident memory of `cmd`, in KiB, through `/usr/bin/time -f %M`.
+fn peak_rss_kb(cmd: Command, what: &str) -> anyhow::Result<u64> {
+    let report = std::env::temp_dir().join(format!("te-peak-rss-{}.txt", std::process::id()));
+    let mut timed = Command::new("/usr/bin/time");
+    timed
+        .args(["-f", "%M", "-o"])
+        .arg(&report)
+        .arg(cmd.get_program())
+        .args(cmd.get_args());
+    capture(&mut timed, what)?;
+    let text = std::fs::read_to_string(&report).context("reading /usr/bin/time's report")?;
+    let _ = std::fs::remove_file(&report);
+    text.lines()
+        .rev()
+        .find_map(|l| l.trim().parse().ok())
+        .with_context(|| format!("no peak memory in /usr/bin/time's report: {text:?}"))
+}
