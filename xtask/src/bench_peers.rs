@@ -65,6 +65,10 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         crate::peers::LLAMA_CPP_COMMIT,
         crate::peers::LLAMA_CPP_PYTHON
     );
+    // The machine's load says how far to trust the figures: ggml's threads
+    // spin at their barriers and suffer more than rayon's when other work
+    // takes the cores.
+    eprintln!("bench: load average at start: {}", load_average());
     println!("| model | test | llama.cpp | te-rs | te-rs / llama.cpp |\n|---|---|---|---|---|");
     for (i, name) in MODELS.iter().enumerate() {
         let source = te_models::hub::resolve_model(name)?;
@@ -195,6 +199,10 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         }
     }
     println!(
+        "\nLoad average (1, 5, 15 min) at the end: {}.",
+        load_average()
+    );
+    println!(
         "\nCommands: `llama-bench -m FILE -t {t} -p {N_PROMPT} -n {N_GEN} -r {REPS} -o json` and \
          `te bench` with the same arguments; `llama-batched-bench -m FILE -t {t} -c {} -npp {NPP} \
          -ntg {NTG} -npl {} --output-format jsonl` and `te bench --batched -m FILE -t {t} --npp {NPP} \
@@ -206,6 +214,14 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         NPL.map(|n| n.to_string()).join(","),
     );
     Ok(())
+}
+
+/// `/proc/loadavg`'s three load averages ("unknown" elsewhere).
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg").map_or_else(
+        |_| "unknown".into(),
+        |s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "),
+    )
 }
 
 /// Runs `llama` and `te` one after the other, `te` first when `te_first`,
