@@ -406,6 +406,7 @@ mod interleavings {
             };
             let mut engine = Engine::new(&model, None, config).unwrap();
             let mut requests: BTreeMap<u64, Request> = BTreeMap::new();
+            let mut aborted = std::collections::BTreeSet::new();
             let mut out: BTreeMap<u64, (Vec<u32>, Option<FinishReason>)> = BTreeMap::new();
             let record = |events: Vec<Event>, out: &mut BTreeMap<u64, (Vec<u32>, Option<FinishReason>)>| {
                 for e in events {
@@ -427,12 +428,24 @@ mod interleavings {
                         }
                     }
                     Op::Abort(k) => {
-                        let live: Vec<u64> = requests.keys().copied().filter(|id| out.get(id).is_none_or(|o| o.1.is_none())).collect();
+                        // Requests without a Finished event yet and not aborted.
+                        let live: Vec<u64> = requests
+                            .keys()
+                            .copied()
+                            .filter(|id| !aborted.contains(id) && out.get(id).is_none_or(|o| o.1.is_none()))
+                            .collect();
                         if let Some(&id) = live.get(k) {
                             let before = engine.kv_tokens_in_use();
-                            engine.abort(id).unwrap();
+                            match engine.abort(id) {
+                                Ok(()) => {
+                                    aborted.insert(id);
+                                }
+                                // Finished already, its event still pending:
+                                // a request for no tokens.
+                                Err(RequestError::Unknown(_)) => prop_assert_eq!(requests[&id].max_new_tokens, 0),
+                                Err(e) => return Err(TestCaseError::fail(e.to_string())),
+                            }
                             prop_assert!(engine.kv_tokens_in_use() <= before);
-                            out.entry(id).or_default();
                         }
                     }
                     Op::Steps(n) => {
