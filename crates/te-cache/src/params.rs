@@ -602,13 +602,9 @@ impl<S: KvStorage> InferenceParams<S> {
                 if pool.ring_len.is_none() && !start.is_multiple_of(pool.page_size) {
                     let slot = start / pool.page_size;
                     let old = pages[slot];
-                    let registered =
-                        p == 0 && self.prefix.as_ref().is_some_and(|ix| ix.is_registered(old));
+                    let registered = registered(&self.prefix, p, old);
                     if pool.refs(old) > 1 || registered {
-                        let (new, evicted) = pool.take();
-                        if let (Some(e), Some(ix)) = (evicted, self.prefix.as_mut()) {
-                            ix.remove(e);
-                        }
+                        let new = take_page(pool, &mut self.prefix);
                         let ps = pool.page_size;
                         for (layer, _) in
                             self.layer_pool.iter().enumerate().filter(|(_, &q)| q == p)
@@ -622,11 +618,7 @@ impl<S: KvStorage> InferenceParams<S> {
                 }
                 let need = pool.pages_for(seq.cached);
                 while pages.len() < need {
-                    let (page, evicted) = pool.take();
-                    if let (Some(e), Some(ix)) = (evicted, self.prefix.as_mut()) {
-                        ix.remove(e);
-                    }
-                    pages.push(page);
+                    pages.push(take_page(pool, &mut self.prefix));
                 }
                 plan.widths[p] = plan.widths[p].max(pages.len());
             }
@@ -666,8 +658,7 @@ impl<S: KvStorage> InferenceParams<S> {
         let grow = pool.pages_for(seq.cached + step_len) - held;
         let cow = pool.ring_len.is_none() && !seq.cached.is_multiple_of(pool.page_size) && {
             let old = seq.pages[p][seq.cached / pool.page_size];
-            pool.refs(old) > 1
-                || (p == 0 && self.prefix.as_ref().is_some_and(|ix| ix.is_registered(old)))
+            pool.refs(old) > 1 || registered(&self.prefix, p, old)
         };
         grow + usize::from(cow)
     }
@@ -790,12 +781,7 @@ impl<S: KvStorage> InferenceParams<S> {
             .ok_or(CacheError::UnknownSequence { seq_id })?;
         for (p, (pool, pages)) in self.pools.iter_mut().zip(&seq.pages).enumerate() {
             for &page in pages.iter().rev() {
-                let keep = p == 0
-                    && self
-                        .prefix
-                        .as_ref()
-                        .is_some_and(|ix| ix.is_registered(page));
-                pool.unshare(page, keep);
+                pool.unshare(page, registered(&self.prefix, p, page));
             }
         }
         if self
@@ -867,11 +853,7 @@ impl<S: KvStorage> InferenceParams<S> {
         for pool in self.pools.iter_mut() {
             let mut pages = Vec::new();
             for _ in 0..source.pages[copy.pages.len()].len() {
-                let (page, evicted) = pool.take();
-                if let (Some(e), Some(ix)) = (evicted, self.prefix.as_mut()) {
-                    ix.remove(e);
-                }
-                pages.push(page);
+                pages.push(take_page(pool, &mut self.prefix));
             }
             copy.pages.push(pages);
         }
@@ -1199,6 +1181,22 @@ impl<S: KvStorage> InferenceParams<S> {
         self.storage
             .allocate(layer, rows, h * self.head_dim_k, h * self.head_dim_v)
     }
+}
+
+/// Takes a page from `pool` (referenced once); a cached page it evicts
+/// leaves the prefix index.
+fn take_page(pool: &mut PagePool, prefix: &mut Option<PrefixIndex>) -> i32 {
+    let (page, evicted) = pool.take();
+    if let (Some(e), Some(ix)) = (evicted, prefix.as_mut()) {
+        ix.remove(e);
+    }
+    page
+}
+
+/// Whether `page` of pool `p` is registered in the prefix index (only pool
+/// 0 has one).
+fn registered(prefix: &Option<PrefixIndex>, p: usize, page: i32) -> bool {
+    p == 0 && prefix.as_ref().is_some_and(|ix| ix.is_registered(page))
 }
 
 /// The layout of the planned step in pool `p`.
