@@ -31,7 +31,9 @@ impl std::fmt::Display for DType {
 }
 
 /// A storage element: converts to and from f32 (round to nearest even).
-pub trait Element: Copy + Send + Sync + Default + std::fmt::Debug + 'static {
+/// Plain old data ([`bytemuck::Pod`]), so a slice of elements can be sent
+/// between ranks as bytes.
+pub trait Element: bytemuck::Pod + Send + Sync + Default + std::fmt::Debug + 'static {
     /// The dtype tag of this element type.
     const DTYPE: DType;
     fn to_f32(self) -> f32;

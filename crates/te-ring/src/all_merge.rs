@@ -30,9 +30,10 @@ use crate::error::RingError;
 /// [`RingError::ShapeMismatch`] when `out` and `lse` disagree with the
 /// heads; [`RingError::Communication`] when a peer fails or runs a
 /// different call (another `t`, heads or head dim). Nothing is written
-/// then, and `comm` is aborted ([`Communicator::abort`]).
+/// then, and `comm` is aborted ([`Communicator::abort_with`] the error),
+/// so every peer fails too, naming the rank where the failure started.
 pub fn all_merge(
-    comm: &mut impl Communicator<f32>,
+    comm: &mut impl Communicator,
     out: &mut [f32],
     lse: &mut [f32],
     num_heads: usize,
@@ -43,7 +44,7 @@ pub fn all_merge(
 }
 
 fn merge_inner(
-    comm: &mut impl Communicator<f32>,
+    comm: &mut impl Communicator,
     out: &mut [f32],
     lse: &mut [f32],
     num_heads: usize,
@@ -83,16 +84,13 @@ fn merge_inner(
     // Gather: after step s this rank holds the partial of cp_rank - s.
     let mut partials: Vec<Option<Vec<f32>>> = vec![None; cp_size];
     let mine: Vec<f32> = out.iter().chain(lse.iter()).copied().collect();
-    let mut block = Block {
-        tag,
-        data: mine.clone(),
-    };
+    let mut block = Block::from_slice(tag, &mine);
     partials[cp_rank] = Some(mine);
     for step in 1..cp_size {
         comm.send_next(block)?;
         block = comm.recv_prev()?;
         let src = (cp_rank + cp_size - step) % cp_size;
-        if block.tag != tag || block.data.len() != out.len() + lse.len() {
+        if block.tag != tag || block.data.len() != (out.len() + lse.len()) * size_of::<f32>() {
             return Err(RingError::Communication {
                 cp_rank,
                 reason: format!(
@@ -101,7 +99,7 @@ fn merge_inner(
                 ),
             });
         }
-        partials[src] = Some(block.data.clone());
+        partials[src] = Some(block.to_vec(cp_rank)?);
     }
     // Merge in rank order.
     let mut acc_out = vec![0f32; out.len()];

@@ -9,18 +9,21 @@
 //! For decode with the KV cache split across ranks, each rank attends the
 //! (replicated) queries to its own keys and [`all_merge()`] combines the
 //! partial results on every rank.
-//! Ranks talk through a [`Communicator`]: [`ThreadComm`] for threads of
-//! one process (MPI and NCCL communicators are not written yet). A
-//! communicator carries one element type: `Communicator<T>` for a ring
-//! forward over `T` inputs, `Communicator<f32>` for [`all_merge()`], so a
-//! bf16 model keeps two rings.
+//! Ranks talk through a [`Communicator`], which carries tagged [`Block`]s
+//! of bytes (any [`bytemuck::Pod`] element type, so one ring serves a
+//! bf16 forward and its f32 merges): [`ThreadComm`] for threads of one
+//! process, `MpiComm` (feature `mpi`) for processes and machines,
+//! `NcclComm` (feature `nccl`, compile-checked only) for GPUs. The
+//! [`collective`] module adds [`all_gather()`], [`all_reduce_min()`] and
+//! [`agree()`] (check that every rank runs the same settings).
 //!
 //! Every rank makes the same calls in the same order with the same
 //! `seqlens` and configuration; blocks are tagged with their call, so a
 //! disagreement is an error on every rank, never mixed data. When a call
 //! fails on one rank, it aborts its communicator and the others fail too
-//! (a rank that stays alive without calling is waited for); the ring is
-//! then unusable and must be rebuilt.
+//! (a rank that stays alive without calling is waited for), with errors
+//! that name the rank where the failure started; the ring is then
+//! unusable and must be rebuilt.
 //!
 //! ```
 //! use te_attention::{AttnMaskType, DotProductAttention};
@@ -34,7 +37,7 @@
 //!     DotProductAttention::new(h, d).with_attn_mask_type(AttnMaskType::Causal),
 //! )?;
 //! let z = Zigzag::new(cp)?;
-//! let comms = ThreadComm::<f32>::ring(cp)?;
+//! let comms = ThreadComm::ring(cp)?;
 //! // One thread per rank, each with its shard.
 //! let outs: Vec<Result<Vec<f32>, RingError>> = std::thread::scope(|s| {
 //!     let ranks: Vec<_> = comms
@@ -60,13 +63,15 @@
 //! ```
 
 pub mod all_merge;
+pub mod collective;
 pub mod comm;
 pub mod error;
 pub mod layout;
 pub mod ring;
 
 pub use all_merge::all_merge;
-pub use comm::{call_tag, Block, Communicator, ThreadComm};
+pub use collective::{agree, all_gather, all_reduce_min};
+pub use comm::{call_tag, Block, Communicator, ThreadComm, ABORT_TAG};
 pub use error::RingError;
 pub use layout::Zigzag;
 pub use ring::RingAttention;

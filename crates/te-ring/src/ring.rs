@@ -121,11 +121,12 @@ impl RingAttention {
     /// call (other `seqlens`, heads, dims, mask, scale, softcap or dtype);
     /// [`RingError::Attention`] from a block's attention. Nothing is
     /// written to `out`/`lse` then, and `comm` is aborted
-    /// ([`Communicator::abort`]) so that no peer waits for this rank or
-    /// falls out of step with it.
+    /// ([`Communicator::abort_with`] the error) so that no peer waits for
+    /// this rank or falls out of step with it; their errors name the rank
+    /// where the failure started.
     pub fn forward_cpu<T: Element, O: Element>(
         &self,
-        comm: &mut impl Communicator<T>,
+        comm: &mut impl Communicator,
         seqlens: &[usize],
         q: &[T],
         k: &[T],
@@ -161,7 +162,7 @@ impl RingAttention {
 
     fn forward_inner<T: Element, O: Element>(
         &self,
-        comm: &mut impl Communicator<T>,
+        comm: &mut impl Communicator,
         seqlens: &[usize],
         q: &[T],
         k: &[T],
@@ -216,10 +217,7 @@ impl RingAttention {
             [0, 1].map(|s| vec![f32::NEG_INFINITY; my_slots[s].rows * hq]);
 
         // The block travelling round the ring: its holder's K then V.
-        let mut block = Block {
-            tag,
-            data: k.iter().chain(v).copied().collect(),
-        };
+        let mut block = Block::from_slice(tag, &[k, v].concat());
         for step in 0..cp_size {
             let src = (cp_rank + cp_size - step) % cp_size;
             let src_t = z
@@ -227,7 +225,7 @@ impl RingAttention {
                 .last()
                 .copied()
                 .unwrap_or(0) as usize;
-            if block.tag != tag || block.data.len() != src_t * hkv * (dqk + dv) {
+            if block.tag != tag || block.data.len() != src_t * hkv * (dqk + dv) * size_of::<T>() {
                 return Err(RingError::Communication {
                     cp_rank,
                     reason: format!(
@@ -236,10 +234,12 @@ impl RingAttention {
                     ),
                 });
             }
+            let kv: Vec<T> = block.to_vec(cp_rank)?;
             if step + 1 < cp_size {
-                comm.send_next(block.clone())?;
+                let data = std::mem::take(&mut block.data);
+                comm.send_next(Block { tag, data })?;
             }
-            let (k_src, v_src) = block.data.split_at(src_t * hkv * dqk);
+            let (k_src, v_src) = kv.split_at(src_t * hkv * dqk);
             let kv_slots = slots(&z, seqlens, src);
             let k_parts: [Vec<T>; 2] =
                 [0, 1].map(|s| gather(k_src, hkv * dqk, &z, seqlens, src, s));

@@ -84,7 +84,7 @@ proptest! {
             cu_q.push(cu_q.last().unwrap() + (s.q.len() / (hq * D)) as i32);
         }
         let results: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|sc| {
-            let ranks: Vec<_> = ThreadComm::<f32>::ring(cp).unwrap().into_iter().map(|mut comm| {
+            let ranks: Vec<_> = ThreadComm::ring(cp).unwrap().into_iter().map(|mut comm| {
                 let (seqs, attn, q, cu_q) = (&seqs, &attn, &q, &cu_q);
                 sc.spawn(move || {
                     let r = comm.cp_rank();
@@ -138,7 +138,7 @@ proptest! {
 
 #[test]
 fn bad_shapes_are_named() {
-    let mut comm = ThreadComm::<f32>::ring(1).unwrap().pop().unwrap();
+    let mut comm = ThreadComm::ring(1).unwrap().pop().unwrap();
     let (mut out, mut lse) = (vec![0f32; 10], vec![0f32; 3]);
     assert!(matches!(
         all_merge(&mut comm, &mut out, &mut lse, 0, 5),
