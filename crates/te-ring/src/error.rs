@@ -18,6 +18,9 @@ pub enum RingError {
     /// The attention op rejected a block (its message names the argument).
     #[error("ring_attention: {0}")]
     Attention(#[from] AttentionError),
+    /// A communicator could not be set up (e.g. MPI initialized twice).
+    #[error("ring_attention: setting up the communicator: {reason}")]
+    Setup { reason: String },
     /// A peer rank hung up or sent a block of the wrong size.
     #[error("ring_attention: rank {cp_rank}: {reason}")]
     Communication { cp_rank: usize, reason: String },

@@ -67,6 +67,10 @@ pub mod collective;
 pub mod comm;
 pub mod error;
 pub mod layout;
+#[cfg(feature = "mpi")]
+pub mod mpi_comm;
+#[cfg(feature = "nccl")]
+pub mod nccl_comm;
 pub mod ring;
 
 pub use all_merge::all_merge;
@@ -74,4 +78,8 @@ pub use collective::{agree, all_gather, all_reduce_min};
 pub use comm::{call_tag, Block, Communicator, ThreadComm, ABORT_TAG};
 pub use error::RingError;
 pub use layout::Zigzag;
+#[cfg(feature = "mpi")]
+pub use mpi_comm::MpiComm;
+#[cfg(feature = "nccl")]
+pub use nccl_comm::NcclComm;
 pub use ring::RingAttention;
