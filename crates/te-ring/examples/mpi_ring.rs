@@ -66,7 +66,9 @@ fn check(comm: &mut MpiComm) -> Check {
     let mut v = [10 + r as u64, 100 - r as u64, (r * r) as u64];
     all_reduce_min(comm, "min", &mut v).map_err(s)?;
     let want = [10, 100 - (n as u64 - 1), 0];
-    expect(v == want, || format!("all_reduce_min gave {v:?}, want {want:?}"))?;
+    expect(v == want, || {
+        format!("all_reduce_min gave {v:?}, want {want:?}")
+    })?;
 
     agree(comm, "settings", &[1, 2, 3]).map_err(s)?;
     ring_forward::<f32>(comm, 1e-5)?;
@@ -95,8 +97,12 @@ fn ring_forward<T: Element>(comm: &mut MpiComm, tol: f32) -> Check {
     let (h, d, seqlens) = (2, 8, [13usize, 5]);
     let total: usize = seqlens.iter().sum();
     let attn = DotProductAttention::new(h, d).with_attn_mask_type(AttnMaskType::Causal);
-    let full: [Vec<T>; 3] =
-        [1, 2, 3].map(|seed| values(total * h * d, seed).into_iter().map(T::from_f32).collect());
+    let full: [Vec<T>; 3] = [1, 2, 3].map(|seed| {
+        values(total * h * d, seed)
+            .into_iter()
+            .map(T::from_f32)
+            .collect()
+    });
 
     // Reference: one rank, the whole sequences (thd).
     let mut cu = vec![0i32];
@@ -159,8 +165,14 @@ fn merge(comm: &mut MpiComm) -> Check {
             cu_seqlens_kv: Some(&cu_kv),
         };
         let (mut out, mut lse) = (vec![0f32; t * h * d], vec![0f32; h * t]);
-        attn.forward_cpu(&q, KvInput::Tensors { k, v }, &meta, &mut out, Some(&mut lse))
-            .map(|()| (out, lse))
+        attn.forward_cpu(
+            &q,
+            KvInput::Tensors { k, v },
+            &meta,
+            &mut out,
+            Some(&mut lse),
+        )
+        .map(|()| (out, lse))
     };
     let (want, _) = run(&k, &v).map_err(s)?;
     // Rank r holds keys r * skv / n .. (r + 1) * skv / n.
@@ -172,12 +184,18 @@ fn merge(comm: &mut MpiComm) -> Check {
 
 fn mismatch(comm: &mut MpiComm) -> Check {
     let last = comm.cp_size() - 1;
-    let words: &[u64] = if comm.cp_rank() == last { &[1, 2, 4] } else { &[1, 2, 3] };
+    let words: &[u64] = if comm.cp_rank() == last {
+        &[1, 2, 4]
+    } else {
+        &[1, 2, 3]
+    };
     match agree(comm, "settings", words) {
         Ok(()) => Err("agree accepted different settings".into()),
         Err(e) => {
             let want = format!("rank {last} runs other settings: word 2 is 4 where rank 0 has 3");
-            expect(e.to_string().ends_with(&want), || format!("agree failed with {e}"))
+            expect(e.to_string().ends_with(&want), || {
+                format!("agree failed with {e}")
+            })
         }
     }
 }
@@ -189,7 +207,9 @@ fn gather_mismatch(comm: &mut MpiComm) -> Check {
         Ok(_) => Err("all_gather mixed calls".into()),
         Err(e) => {
             let text = e.to_string();
-            expect(text.contains("another call"), || format!("all_gather failed with {text}"))
+            expect(text.contains("another call"), || {
+                format!("all_gather failed with {text}")
+            })
         }
     }
 }
@@ -222,9 +242,12 @@ fn close(got: &[f32], want: &[f32], tol: f32, what: &str) -> Check {
     match got
         .iter()
         .zip(want)
-        .position(|(g, w)| !((g - w).abs() <= tol * (1.0 + w.abs())))
+        .position(|(g, w)| (g - w).abs().is_nan() || (g - w).abs() > tol * (1.0 + w.abs()))
     {
         None => Ok(()),
-        Some(i) => Err(format!("{what}: element {i} is {} want {}", got[i], want[i])),
+        Some(i) => Err(format!(
+            "{what}: element {i} is {} want {}",
+            got[i], want[i]
+        )),
     }
 }
