@@ -272,18 +272,129 @@ pub struct AttnMetadata<'a> {
 pub(crate) struct SeqLens {
     pub sq: usize,
     pub key_range: KeyRange,
+    /// With [`Positions`]: where this sequence's per-query bounds start in
+    /// [`Plan::row_bounds`] (they replace `key_range`).
+    pub row_base: Option<usize>,
 }
 
 /// Everything a device path needs after validation.
 #[derive(Debug, Default)]
 pub(crate) struct Plan {
     pub seqs: Vec<SeqLens>,
+    /// Per query `(lo, hi)` key indices of the sequences with `row_base`.
+    pub row_bounds: Vec<(i64, i64)>,
     /// Q rows (units of `h_q * d_qk`): `t_q` for thd, else `b * max_seqlen_q`.
     pub q_rows: usize,
     /// Per-sequence query and key lengths and first held key, while planning.
     sq: Vec<usize>,
     skv: Vec<usize>,
     first: Vec<usize>,
+}
+
+impl Plan {
+    /// Keys `[lo, hi]` (inclusive, empty when `lo > hi`) that query `i` of
+    /// sequence `b` sees.
+    #[inline]
+    pub fn bounds(&self, b: usize, i: usize) -> (i64, i64) {
+        let seq = &self.seqs[b];
+        match seq.row_base {
+            Some(base) => self.row_bounds[base + i],
+            None => seq.key_range.bounds(i),
+        }
+    }
+}
+
+/// Absolute positions of queries and keys whose keys are not one run of
+/// consecutive positions: a context-parallel rank holds only its shard of
+/// each sequence's keys ([`DotProductAttention::forward_cpu_at_positions`]).
+///
+/// Sequence `b`'s queries sit at consecutive positions from `q_start[b]`;
+/// its key `j` (the `j`-th key the cache or tensor holds for it, absent
+/// sliding-window slots included) sits at `k[cu_k[b] + j]`.
+#[derive(Clone, Copy, Debug)]
+pub struct Positions<'a> {
+    /// `[b]` i32: position of each sequence's first query.
+    pub q_start: &'a [i32],
+    /// `[b + 1]` i32 offsets into `k`; `cu_k[b + 1] - cu_k[b]` is the
+    /// sequence's key length.
+    pub cu_k: &'a [i32],
+    /// Key positions, strictly increasing within each sequence.
+    pub k: &'a [i32],
+}
+
+impl Positions<'_> {
+    /// Replaces each sequence's key range in `plan` by per-query bounds
+    /// from the positions, under `attn`'s mask and window read in
+    /// positions: the query at position `p` sees the keys at `p - left ..=
+    /// p + right` (`right` 0 under a causal mask; a side of -1 or no window
+    /// is unbounded), among those held.
+    fn apply(&self, attn: &DotProductAttention, plan: &mut Plan) -> Result<(), AttentionError> {
+        let b = plan.seqs.len();
+        let bad = |arg: &'static str, seq: usize, reason: String| {
+            Err(AttentionError::InvalidSeqlens {
+                op: OP,
+                arg,
+                seq,
+                reason,
+            })
+        };
+        if self.q_start.len() != b || self.cu_k.len() != b + 1 {
+            return Err(AttentionError::ShapeMismatch {
+                op: OP,
+                arg: "positions",
+                expected: vec![b, b + 1],
+                got: vec![self.q_start.len(), self.cu_k.len()],
+            });
+        }
+        let (wl, wr) = attn.window_size.unwrap_or((-1, -1));
+        let right = if attn.attn_mask_type.is_causal() {
+            Some(0)
+        } else {
+            (wr >= 0).then_some(wr)
+        };
+        let left = (wl >= 0).then_some(wl);
+        plan.row_bounds.clear();
+        for s in 0..b {
+            let (k0, k1) = (self.cu_k[s], self.cu_k[s + 1]);
+            if k0 < 0 || k1 < k0 || k1 as usize > self.k.len() {
+                return bad("positions.cu_k", s, format!("offsets {k0}..{k1}"));
+            }
+            let keys = &self.k[k0 as usize..k1 as usize];
+            if keys.len() != plan.skv[s] {
+                return bad(
+                    "positions.cu_k",
+                    s,
+                    format!("{} key positions for {} keys", keys.len(), plan.skv[s]),
+                );
+            }
+            if let Some(w) = keys.windows(2).position(|w| w[0] >= w[1]) {
+                return bad(
+                    "positions.k",
+                    s,
+                    format!(
+                        "key positions {} then {} do not increase",
+                        keys[w],
+                        keys[w + 1]
+                    ),
+                );
+            }
+            let first = plan.first[s] as i64;
+            plan.seqs[s].row_base = Some(plan.row_bounds.len());
+            for i in 0..plan.seqs[s].sq {
+                let p = self.q_start[s] as i64 + i as i64;
+                let lo = match left {
+                    Some(l) => keys.partition_point(|&k| (k as i64) < p - l) as i64,
+                    None => 0,
+                };
+                let hi = match right {
+                    Some(r) => keys.partition_point(|&k| k as i64 <= p + r) as i64 - 1,
+                    None => keys.len() as i64 - 1,
+                };
+                plan.row_bounds.push((lo.max(first), hi));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Buffers of [`DotProductAttention::forward_cpu_with`], kept between
@@ -521,8 +632,10 @@ impl DotProductAttention {
                     plan.skv[s],
                     plan.first[s],
                 ),
+                row_base: None,
             });
         }
+        plan.row_bounds.clear();
         plan.q_rows = q_len / (hq * dqk);
         Ok(())
     }
@@ -708,6 +821,39 @@ impl DotProductAttention {
             lse.as_ref().map(|l| l.len()),
             &mut ws.plan,
         )?;
+        crate::cpu::forward(self, &ws.plan, q, kv, meta, out, lse, &mut ws.cpu);
+        Ok(())
+    }
+
+    /// [`forward_cpu_with`](Self::forward_cpu_with) where queries and keys
+    /// carry absolute positions ([`Positions`]): the mask and window are
+    /// applied to positions, not to query and key indices, so the keys may
+    /// be any increasing subset of a sequence's positions (a
+    /// context-parallel rank's shard of its KV cache). Top-left and
+    /// bottom-right masks coincide here (positions are absolute). Same
+    /// arguments, outputs and errors otherwise, plus
+    /// [`AttentionError::ShapeMismatch`] / [`AttentionError::InvalidSeqlens`]
+    /// for `positions` that disagree with the sequences or do not
+    /// increase.
+    pub fn forward_cpu_at_positions<T: Element, O: Element>(
+        &self,
+        q: &[T],
+        kv: KvInput<'_, T>,
+        meta: &AttnMetadata<'_>,
+        positions: &Positions<'_>,
+        out: &mut [O],
+        lse: Option<&mut [f32]>,
+        ws: &mut AttentionWorkspace,
+    ) -> Result<(), AttentionError> {
+        self.plan_into(
+            q.len(),
+            &kv.lens(),
+            meta,
+            out.len(),
+            lse.as_ref().map(|l| l.len()),
+            &mut ws.plan,
+        )?;
+        positions.apply(self, &mut ws.plan)?;
         crate::cpu::forward(self, &ws.plan, q, kv, meta, out, lse, &mut ws.cpu);
         Ok(())
     }

@@ -230,7 +230,6 @@ impl<T: Element> Ctx<'_, T> {
         } else {
             m.div_ceil(COL_PAD) * COL_PAD
         };
-        let key_range = self.plan.seqs[u.b].key_range;
         let (k_all, v_all) = self.kv_data();
 
         // Queries pre-multiplied by softmax_scale: [m, d_qk] (direct) or
@@ -271,8 +270,8 @@ impl<T: Element> Ctx<'_, T> {
         s.end.clear();
         s.end.resize(mp, 0);
 
-        let lo = key_range.bounds(u.i0).0.max(u.k_lo);
-        let hi = key_range.bounds(u.i1 - 1).1.min(u.k_hi);
+        let lo = self.plan.bounds(u.b, u.i0).0.max(u.k_lo);
+        let hi = self.plan.bounds(u.b, u.i1 - 1).1.min(u.k_hi);
         let mut j0 = lo;
         while j0 <= hi {
             let bc = (hi + 1 - j0).min(BC as i64) as usize;
@@ -330,7 +329,7 @@ impl<T: Element> Ctx<'_, T> {
             // Visible keys of each column in this tile.
             let mut full = true;
             for r in 0..m {
-                let (rlo, rhi) = key_range.bounds(u.i0 + (r % rph) / group);
+                let (rlo, rhi) = self.plan.bounds(u.b, u.i0 + (r % rph) / group);
                 let start = (rlo - j0).clamp(0, bc as i64) as u32;
                 let end = (rhi + 1 - j0).clamp(0, bc as i64) as u32;
                 s.start[r] = start;
@@ -453,7 +452,7 @@ fn plan_units(plan: &Plan, attn: &DotProductAttention, units: &mut Vec<Unit>) {
         if seq.sq == 0 {
             continue;
         }
-        let (k_lo, k_hi) = (0, seq.key_range.bounds(seq.sq - 1).1);
+        let (k_lo, k_hi) = (0, plan.bounds(b, seq.sq - 1).1);
         if seq.sq * group <= DIRECT_MAX_ROWS {
             units.push(Unit {
                 b,
@@ -494,8 +493,7 @@ fn split_keys(units: &mut Vec<Unit>, split: &mut Vec<Unit>, plan: &Plan, group: 
     let pieces_per_unit = target.div_ceil(units.len()) as i64;
     split.clear();
     for &u in units.iter() {
-        let kr = plan.seqs[u.b].key_range;
-        let (lo, hi) = (kr.bounds(u.i0).0, kr.bounds(u.i1 - 1).1);
+        let (lo, hi) = (plan.bounds(u.b, u.i0).0, plan.bounds(u.b, u.i1 - 1).1);
         let span = hi + 1 - lo;
         let pieces = pieces_per_unit.min(span / MIN_SPLIT_KEYS).max(1);
         if u.rows_per_head(group) > DIRECT_MAX_ROWS || pieces == 1 {
@@ -569,8 +567,8 @@ pub(crate) fn forward<T: Element, O: Element>(
         .units
         .iter()
         .map(|u| {
-            let kr = plan.seqs[u.b].key_range;
-            let span = (kr.bounds(u.i1 - 1).1 + 1 - kr.bounds(u.i0).0).max(0) as usize;
+            let span =
+                (plan.bounds(u.b, u.i1 - 1).1 + 1 - plan.bounds(u.b, u.i0).0).max(0) as usize;
             (u.g1 - u.g0) * u.rows_per_head(group) * span * (attn.head_dim_qk + attn.head_dim_v)
         })
         .sum();

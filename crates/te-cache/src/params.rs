@@ -514,6 +514,35 @@ impl<S: KvStorage> InferenceParams<S> {
     /// more than `max_batch_size` sequences held, a pool without enough free
     /// pages (`CacheFull` with pages needed and free).
     pub fn pre_step(&mut self, steps: &[(u64, usize)]) -> Result<(), CacheError> {
+        self.check(steps, false)?;
+        self.commit(steps);
+        Ok(())
+    }
+
+    /// Whether [`pre_step`](Self::pre_step) would accept `steps`: the same
+    /// errors, nothing changes either way.
+    pub fn check_step(&self, steps: &[(u64, usize)]) -> Result<(), CacheError> {
+        self.check(steps, false)
+    }
+
+    /// A context-parallel rank's [`pre_step`](Self::pre_step): a sequence
+    /// may take 0 tokens (this rank holds none of its new tokens, but its
+    /// cached keys are attended this step), so every sequence of the step
+    /// is in the plan, in the same order on every rank.
+    pub fn pre_step_shard(&mut self, steps: &[(u64, usize)]) -> Result<(), CacheError> {
+        self.check(steps, true)?;
+        self.commit(steps);
+        Ok(())
+    }
+
+    /// Whether [`pre_step_shard`](Self::pre_step_shard) would accept
+    /// `steps` (nothing changes).
+    pub fn check_step_shard(&self, steps: &[(u64, usize)]) -> Result<(), CacheError> {
+        self.check(steps, true)
+    }
+
+    /// The validation of a step: every error of [`pre_step`](Self::pre_step).
+    fn check(&self, steps: &[(u64, usize)], empty_ok: bool) -> Result<(), CacheError> {
         if steps.len() > self.max_batch_size {
             return Err(CacheError::BatchTooLarge {
                 batch: steps.len(),
@@ -526,7 +555,7 @@ impl<S: KvStorage> InferenceParams<S> {
             if !seen.insert(seq_id) {
                 return Err(CacheError::DuplicateSequence { seq_id });
             }
-            if step_len == 0 {
+            if step_len == 0 && !empty_ok {
                 return Err(CacheError::EmptyStep { seq_id });
             }
             let cached = self.cached_tokens(seq_id);
@@ -576,9 +605,13 @@ impl<S: KvStorage> InferenceParams<S> {
                 });
             }
         }
+        Ok(())
+    }
 
-        // Validated: commit. Reuse the last plan's buffers when no layer
-        // still holds it.
+    /// Commits validated `steps` ([`check`](Self::check)): takes pages,
+    /// advances the sequences and builds the plan. Reuses the last plan's
+    /// buffers when no layer still holds it.
+    fn commit(&mut self, steps: &[(u64, usize)]) {
         let num_pools = self.pools.len();
         let mut plan = self
             .plan
@@ -644,7 +677,6 @@ impl<S: KvStorage> InferenceParams<S> {
             }
         }
         self.plan = Some(Arc::new(plan));
-        Ok(())
     }
 
     /// Pages of pool `p` that `(seq_id, step_len)` takes: new pages for the

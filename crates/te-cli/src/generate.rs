@@ -4,8 +4,11 @@ use std::io::Write;
 
 use anyhow::{bail, Context};
 use te_models::chat::ChatMessage;
+use te_models::context_parallel::ContextParallel;
 use te_models::engine::{Engine, EngineConfig, Event, FinishReason, Request};
+use te_models::loader::LoadedModel;
 use te_models::sampling::SamplingParams;
+use te_ring::Communicator;
 
 #[derive(clap::Args)]
 #[command(allow_negative_numbers = true)]
@@ -71,8 +74,33 @@ pub struct Args {
     /// Print run statistics as one JSON object on stderr at the end.
     #[arg(long)]
     stats: bool,
+    /// Context parallelism: split every sequence and its KV cache over N
+    /// ranks (threads of this process), or `mpi`: one rank per MPI process
+    /// (`mpirun -np N te generate --context-parallel mpi ...`, a build with
+    /// `--features mpi`; rank 0 prints). --kv-cache-tokens is per rank.
+    #[arg(long, value_name = "N|mpi", value_parser = parse_context_parallel)]
+    context_parallel: Option<Ranks>,
     #[command(flatten)]
     threads: crate::Threads,
+}
+
+/// `--context-parallel`: ranks as threads, or one per MPI process.
+#[derive(Clone, Copy, Debug)]
+enum Ranks {
+    Threads(usize),
+    Mpi,
+}
+
+fn parse_context_parallel(s: &str) -> Result<Ranks, String> {
+    if s == "mpi" {
+        return Ok(Ranks::Mpi);
+    }
+    match s.parse::<usize>() {
+        Ok(0) | Err(_) => Err(format!(
+            "{s:?}: expected a number of ranks (at least 1) or `mpi`"
+        )),
+        Ok(n) => Ok(Ranks::Threads(n)),
+    }
 }
 
 /// What one prompt has produced so far.
@@ -124,22 +152,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     sampling.validate().map_err(anyhow::Error::msg)?;
     let loaded = crate::load(&args.model)?;
     let tokenizer = &loaded.tokenizer;
-    let config = EngineConfig {
-        max_batch_size: args.max_batch_size,
-        kv_cache_tokens: args.kv_cache_tokens,
-        prefix_caching: !args.no_prefix_caching,
-        ..EngineConfig::default()
-    };
-    let mut engine = Engine::new(&loaded.model, Some(tokenizer), config)?;
-    crate::note(format_args!(
-        "kv cache: {} tokens{}",
-        engine.kv_capacity_tokens(),
-        if engine.prefix_caching() {
-            ", prefix caching on"
-        } else {
-            ""
-        }
-    ));
     let mut prompt_tokens = Vec::with_capacity(prompts.len());
     for (i, p) in prompts.iter().enumerate() {
         let ids = if args.chat {
@@ -153,86 +165,201 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             tokenizer.encode(p, true)
         }
         .with_context(|| format!("tokenizing prompt {i}"))?;
-        let id = engine
-            .add_request(Request {
-                prompt_tokens: ids.clone(),
-                max_new_tokens: args.max_new_tokens,
-                sampling: sampling.clone(),
-                ignore_eos: args.ignore_eos,
-                stop: args.stop.clone(),
-                skip_special_tokens: !args.json,
-            })
-            .with_context(|| format!("prompt {i}"))?;
-        // Ids are handed out in order from 0.
-        debug_assert_eq!(id as usize, i);
         prompt_tokens.push(ids);
     }
-    // Stream text only for a single prompt; several are printed whole.
-    let stream_stdout = !args.json && prompts.len() == 1;
-    let mut outputs: Vec<Output> = (0..prompts.len()).map(|_| Output::default()).collect();
-    let mut stdout = crate::stdout();
-    let start = std::time::Instant::now();
-    while engine.has_work() {
-        for event in engine.step()? {
-            let (id, text) = match event {
-                Event::Token { id, token, text } => {
-                    outputs[id as usize].tokens.push(token);
-                    (id, text)
-                }
-                Event::Finished {
-                    id, reason, text, ..
-                } => {
-                    outputs[id as usize].finish_reason = Some(reason);
-                    (id, text)
-                }
-            };
-            if stream_stdout {
-                stdout.write_all(text.as_bytes())?;
-                stdout.flush()?;
-            }
-            outputs[id as usize].text.push_str(&text);
-        }
-    }
-    let wall_s = start.elapsed().as_secs_f64();
-    for (i, out) in outputs.iter().enumerate() {
-        let reason = out.finish_reason.map_or("length", FinishReason::as_str);
-        if args.json {
-            let line = serde_json::json!({
-                "prompt": prompts[i],
-                "prompt_tokens": prompt_tokens[i],
-                "tokens": out.tokens,
-                "text": out.text,
-                "finish_reason": reason,
+    let job = Job {
+        args: &args,
+        loaded: &loaded,
+        prompts: &prompts,
+        prompt_tokens: &prompt_tokens,
+        sampling,
+    };
+    match args.context_parallel {
+        None | Some(Ranks::Threads(1)) => job.run(None, true),
+        Some(Ranks::Threads(n)) => {
+            let comms = te_ring::ThreadComm::ring(n)?;
+            let results: Vec<anyhow::Result<()>> = std::thread::scope(|s| {
+                let ranks: Vec<_> = comms
+                    .into_iter()
+                    .map(|comm| {
+                        let job = &job;
+                        s.spawn(move || {
+                            let rank = comm.cp_rank();
+                            job.run(Some(Box::new(comm)), rank == 0)
+                                .with_context(|| format!("context-parallel rank {rank}"))
+                        })
+                    })
+                    .collect();
+                ranks
+                    .into_iter()
+                    .map(|r| r.join().unwrap_or_else(|_| bail!("a rank panicked")))
+                    .collect()
             });
-            writeln!(stdout, "{line}")?;
-        } else if stream_stdout {
-            writeln!(stdout)?;
-        } else {
-            // A completion continues its prompt; a chat reply stands alone.
-            let echo = if args.chat { "" } else { prompts[i].as_str() };
-            writeln!(
-                stdout,
-                "### prompt {i}: {}\n{echo}{}\n",
-                prompts[i], out.text
-            )?;
+            let errors: Vec<String> = results
+                .into_iter()
+                .filter_map(|r| r.err().map(|e| format!("{e:#}")))
+                .collect();
+            if !errors.is_empty() {
+                bail!("{}", errors.join("\n"));
+            }
+            Ok(())
         }
+        Some(Ranks::Mpi) => run_mpi(&job),
     }
-    if args.stats {
-        let s = engine.stats();
-        let rate = |n: usize, t: f64| if t > 0.0 { n as f64 / t } else { 0.0 };
-        let line = serde_json::json!({
-            "requests": s.requests,
-            "prompt_tokens": s.prompt_tokens,
-            "prefix_hit_tokens": s.prefix_hit_tokens,
-            "generated_tokens": s.generated_tokens,
-            "prefill_tokens_per_s": rate(s.prefill_tokens, s.prefill_s),
-            "decode_tokens_per_s": rate(s.decode_tokens, s.decode_s),
-            "wall_s": wall_s,
-            "kv_capacity_tokens": engine.kv_capacity_tokens(),
-            "peak_kv_tokens": s.peak_kv_tokens,
-            "preemptions": s.preemptions,
-        });
-        crate::note(format_args!("{line}"));
+}
+
+#[cfg(feature = "mpi")]
+fn run_mpi(job: &Job<'_>) -> anyhow::Result<()> {
+    let comm = te_ring::MpiComm::world()?;
+    let rank = comm.cp_rank();
+    job.run(Some(Box::new(comm)), rank == 0)
+        .with_context(|| format!("context-parallel rank {rank}"))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(_: &Job<'_>) -> anyhow::Result<()> {
+    bail!("--context-parallel mpi: this te was built without MPI (cargo build --release --features mpi)")
+}
+
+/// One rank's generation: everything `run` resolved.
+struct Job<'a> {
+    args: &'a Args,
+    loaded: &'a LoadedModel,
+    prompts: &'a [String],
+    prompt_tokens: &'a [Vec<u32>],
+    sampling: SamplingParams,
+}
+
+impl Job<'_> {
+    /// Generates every prompt on this rank (`comm`: of a context-parallel
+    /// group); `print`: this rank writes the output and notes.
+    fn run(&self, comm: Option<Box<dyn Communicator>>, print: bool) -> anyhow::Result<()> {
+        let (args, prompts) = (self.args, self.prompts);
+        let tokenizer = &self.loaded.tokenizer;
+        let config = EngineConfig {
+            max_batch_size: args.max_batch_size,
+            kv_cache_tokens: args.kv_cache_tokens,
+            prefix_caching: !args.no_prefix_caching,
+            ..EngineConfig::default()
+        };
+        let model = &self.loaded.model;
+        let mut engine = match comm {
+            Some(comm) => Engine::with_context_parallel(
+                model,
+                Some(tokenizer),
+                config,
+                ContextParallel::new(comm)?,
+            )?,
+            None => Engine::new(model, Some(tokenizer), config)?,
+        };
+        if print {
+            let ranks = engine.context_parallel().map_or(1, |cp| cp.cp_size());
+            crate::note(format_args!(
+                "kv cache: {} tokens{}{}",
+                engine.kv_capacity_tokens(),
+                if ranks > 1 {
+                    format!(" per rank, {ranks} ranks")
+                } else {
+                    String::new()
+                },
+                if engine.prefix_caching() {
+                    ", prefix caching on"
+                } else {
+                    ""
+                }
+            ));
+        }
+        for (i, ids) in self.prompt_tokens.iter().enumerate() {
+            let id = engine
+                .add_request(Request {
+                    prompt_tokens: ids.clone(),
+                    max_new_tokens: args.max_new_tokens,
+                    sampling: self.sampling.clone(),
+                    ignore_eos: args.ignore_eos,
+                    stop: args.stop.clone(),
+                    skip_special_tokens: !args.json,
+                })
+                .with_context(|| format!("prompt {i}"))?;
+            // Ids are handed out in order from 0.
+            debug_assert_eq!(id as usize, i);
+        }
+        // Stream text only for a single prompt; several are printed whole.
+        let stream_stdout = print && !args.json && prompts.len() == 1;
+        let mut outputs: Vec<Output> = (0..prompts.len()).map(|_| Output::default()).collect();
+        // Only the printing rank takes stdout's lock (other ranks share it).
+        let mut stdout = print.then(crate::stdout);
+        let start = std::time::Instant::now();
+        while engine.has_work() {
+            for event in engine.step()? {
+                let (id, text) = match event {
+                    Event::Token { id, token, text } => {
+                        outputs[id as usize].tokens.push(token);
+                        (id, text)
+                    }
+                    Event::Finished {
+                        id, reason, text, ..
+                    } => {
+                        outputs[id as usize].finish_reason = Some(reason);
+                        (id, text)
+                    }
+                };
+                if let (true, Some(out)) = (stream_stdout, stdout.as_mut()) {
+                    out.write_all(text.as_bytes())?;
+                    out.flush()?;
+                }
+                outputs[id as usize].text.push_str(&text);
+            }
+        }
+        let wall_s = start.elapsed().as_secs_f64();
+        // A collective: every rank takes part.
+        let kv_per_rank = engine.kv_tokens_per_rank()?;
+        let Some(mut stdout) = stdout else {
+            return Ok(());
+        };
+        for (i, out) in outputs.iter().enumerate() {
+            let reason = out.finish_reason.map_or("length", FinishReason::as_str);
+            if args.json {
+                let line = serde_json::json!({
+                    "prompt": prompts[i],
+                    "prompt_tokens": self.prompt_tokens[i],
+                    "tokens": out.tokens,
+                    "text": out.text,
+                    "finish_reason": reason,
+                });
+                writeln!(stdout, "{line}")?;
+            } else if stream_stdout {
+                writeln!(stdout)?;
+            } else {
+                // A completion continues its prompt; a chat reply stands alone.
+                let echo = if args.chat { "" } else { prompts[i].as_str() };
+                writeln!(
+                    stdout,
+                    "### prompt {i}: {}\n{echo}{}\n",
+                    prompts[i], out.text
+                )?;
+            }
+        }
+        if args.stats {
+            let s = engine.stats();
+            let rate = |n: usize, t: f64| if t > 0.0 { n as f64 / t } else { 0.0 };
+            let mut line = serde_json::json!({
+                "requests": s.requests,
+                "prompt_tokens": s.prompt_tokens,
+                "prefix_hit_tokens": s.prefix_hit_tokens,
+                "generated_tokens": s.generated_tokens,
+                "prefill_tokens_per_s": rate(s.prefill_tokens, s.prefill_s),
+                "decode_tokens_per_s": rate(s.decode_tokens, s.decode_s),
+                "wall_s": wall_s,
+                "kv_capacity_tokens": engine.kv_capacity_tokens(),
+                "peak_kv_tokens": s.peak_kv_tokens,
+                "preemptions": s.preemptions,
+            });
+            if let Some(per_rank) = kv_per_rank {
+                line["context_parallel"] = serde_json::json!(per_rank.len());
+                line["kv_tokens_per_rank"] = serde_json::json!(per_rank);
+            }
+            crate::note(format_args!("{line}"));
+        }
+        Ok(())
     }
-    Ok(())
 }

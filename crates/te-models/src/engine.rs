@@ -32,6 +32,14 @@
 //!   can no longer match; a stop string ends the request with
 //!   [`FinishReason::Stop`] and its text cut before the stop string.
 //!
+//! - **Context parallelism** ([`Engine::with_context_parallel`]): every
+//!   rank of a group runs an engine on the same requests; each rank's pool
+//!   holds its shard of every sequence ([`crate::context_parallel`]).
+//!   Admission and preemption decide on the fullest rank (a minimum of
+//!   free pages over the ranks; a step goes ahead only when every rank's
+//!   cache can take its part), so every rank makes the same decisions and
+//!   samples the same tokens. Prefix sharing is off.
+//!
 //! ## Driving it from several threads
 //!
 //! The engine is single-threaded state (its compute is parallel inside a
@@ -50,6 +58,7 @@ use std::time::Instant;
 
 use te_cache::{CacheLayout, InferenceParams};
 
+use crate::context_parallel::ContextParallel;
 use crate::layer::Workspace;
 use crate::model::{Logits, Model};
 use crate::sampling::{Sampler, SamplingParams};
@@ -240,6 +249,8 @@ pub struct EngineStats {
     pub peak_kv_tokens: usize,
     /// Sequences preempted (freed and queued for recompute).
     pub preemptions: usize,
+    /// Context parallelism: most tokens whose K/V this rank held at once.
+    pub peak_rank_kv_tokens: usize,
 }
 
 /// The engine's gauges and counters at one moment ([`Engine::snapshot`],
@@ -303,6 +314,8 @@ pub struct Engine<'a> {
     next_id: RequestId,
     admissions: u64,
     stats: EngineStats,
+    /// This rank of a context-parallel group.
+    cp: Option<ContextParallel>,
 }
 
 impl<'a> Engine<'a> {
@@ -366,7 +379,59 @@ impl<'a> Engine<'a> {
             next_id: 0,
             admissions: 0,
             stats: EngineStats::default(),
+            cp: None,
         })
+    }
+
+    /// Rank `cp.cp_rank()` of a context-parallel engine group: call it on
+    /// every rank with the same model, config and (later) requests, and
+    /// step every rank's engine in lockstep (see the module doc).
+    /// `config.kv_cache_tokens` is per rank; prefix caching is off.
+    ///
+    /// Errors: those of [`Engine::new`]; ranks whose model or config differ
+    /// (an error on every rank, naming the first rank that differs); a
+    /// failed rank.
+    pub fn with_context_parallel(
+        model: &'a Model,
+        tokenizer: Option<&'a Tokenizer>,
+        config: EngineConfig,
+        mut cp: ContextParallel,
+    ) -> Result<Self> {
+        let config = EngineConfig {
+            prefix_caching: false,
+            ..config
+        };
+        let mut engine = Self::new(model, tokenizer, config.clone())?;
+        let settings = format!("{:?} {config:?}", model.config);
+        let words = [te_ring::call_tag(&settings, [])];
+        te_ring::agree(cp.comm(), "model and engine settings", &words)
+            .map_err(|e| ModelError::Request(format!("context parallelism: {e}")))?;
+        engine.cp = Some(cp);
+        Ok(engine)
+    }
+
+    /// The context-parallel rank, if any.
+    pub fn context_parallel(&self) -> Option<&ContextParallel> {
+        self.cp.as_ref()
+    }
+
+    /// Context parallelism: every rank's [`EngineStats::peak_rank_kv_tokens`]
+    /// in rank order (a collective: every rank calls it). `None` on a
+    /// single rank.
+    ///
+    /// Errors: a failed rank.
+    pub fn kv_tokens_per_rank(&mut self) -> Result<Option<Vec<usize>>> {
+        let peak = self.stats.peak_rank_kv_tokens as u64;
+        let Some(cp) = self.cp.as_mut() else {
+            return Ok(None);
+        };
+        let all = te_ring::all_gather(cp.comm(), "kv tokens per rank", &[], &[peak])
+            .map_err(|e| ModelError::Request(format!("context parallelism: {e}")))?;
+        Ok(Some(
+            all.iter()
+                .map(|v| v.first().copied().unwrap_or(0) as usize)
+                .collect(),
+        ))
     }
 
     /// The model.
@@ -549,8 +614,17 @@ impl<'a> Engine<'a> {
     /// step are then queued for recompute (nothing is lost); the error
     /// names the step.
     pub fn step(&mut self) -> Result<Vec<Event>> {
+        let result = self.step_inner();
+        if let (Err(e), Some(cp)) = (&result, self.cp.as_mut()) {
+            // The other ranks fail too, naming this one.
+            cp.abort(&e.to_string());
+        }
+        result
+    }
+
+    fn step_inner(&mut self) -> Result<Vec<Event>> {
         let mut events = std::mem::take(&mut self.pending);
-        self.admit();
+        self.admit()?;
         if self.running.is_empty() {
             return Ok(events);
         }
@@ -566,9 +640,10 @@ impl<'a> Engine<'a> {
             if steps.is_empty() {
                 return Ok(events);
             }
-            match self.cache.pre_step(&steps) {
-                Ok(()) => break feed,
-                Err(te_cache::CacheError::CacheFull { .. }) => {
+            if self.try_pre_step(&steps)? {
+                break feed;
+            } else {
+                {
                     if self.running.len() > 1 {
                         self.preempt_latest();
                     } else {
@@ -579,7 +654,6 @@ impl<'a> Engine<'a> {
                         return Ok(events);
                     }
                 }
-                Err(e) => return Err(e.into()),
             }
         };
         let mut tokens = Vec::new();
@@ -590,23 +664,28 @@ impl<'a> Engine<'a> {
         }
         let start = Instant::now();
         let vocab = self.model.config.vocab_size;
-        let logits =
-            match self
+        let forward = match self.cp.as_mut() {
+            Some(cp) => {
+                self.model
+                    .forward_context_parallel(&tokens, &mut self.cache, cp, &mut self.ws)
+            }
+            None => self
                 .model
-                .forward_with(&tokens, &mut self.cache, Logits::Last, &mut self.ws)
-            {
-                Ok(l) => l,
-                Err(e) => {
-                    // Recompute everyone of this step later.
-                    while !self.running.is_empty() {
-                        self.preempt_latest();
-                    }
-                    return Err(ModelError::Request(format!(
-                        "generation step of {} tokens failed: {e}",
-                        tokens.len()
-                    )));
+                .forward_with(&tokens, &mut self.cache, Logits::Last, &mut self.ws),
+        };
+        let logits = match forward {
+            Ok(l) => l,
+            Err(e) => {
+                // Recompute everyone of this step later.
+                while !self.running.is_empty() {
+                    self.preempt_latest();
                 }
-            };
+                return Err(ModelError::Request(format!(
+                    "generation step of {} tokens failed: {e}",
+                    tokens.len()
+                )));
+            }
+        };
         let mut row = 0;
         let mut finished_idx = Vec::new();
         for (i, (seq, &n)) in self.running.iter_mut().zip(&feed).enumerate() {
@@ -653,6 +732,9 @@ impl<'a> Engine<'a> {
             self.stats.decode_s += elapsed;
         }
         self.stats.peak_kv_tokens = self.stats.peak_kv_tokens.max(self.kv_tokens_in_use());
+        if let Some(cp) = &self.cp {
+            self.stats.peak_rank_kv_tokens = self.stats.peak_rank_kv_tokens.max(cp.held_tokens());
+        }
         for &(i, reason) in finished_idx.iter().rev() {
             let seq = self.running.remove(i);
             self.release(seq.id)?;
@@ -769,14 +851,30 @@ impl<'a> Engine<'a> {
     /// the pool has the pages of the request's tokens plus one page per
     /// running sequence (room for the decoders' next pages); then starts
     /// the admitted sequences in the cache ([`Self::start_sequences`]).
-    fn admit(&mut self) {
+    fn admit(&mut self) -> Result<()> {
         let ps = self.config.page_size;
+        if self.waiting.is_empty() {
+            self.start_sequences();
+            return Ok(());
+        }
+        let mut free = self.cache.pages_free(self.full_layer).unwrap_or(0);
+        let mut ranks = 1;
+        if let Some(cp) = self.cp.as_mut() {
+            // The fullest rank decides, so every rank decides the same.
+            let mut v = [free as u64];
+            te_ring::all_reduce_min(cp.comm(), "free kv pages", &mut v)
+                .map_err(|e| ModelError::Request(format!("context parallelism: {e}")))?;
+            free = v[0] as usize;
+            ranks = cp.cp_size();
+        }
         while self.running.len() < self.config.max_batch_size {
             let Some(seq) = self.waiting.front() else {
                 break;
             };
-            let need = seq.tokens.len().div_ceil(ps) + self.running.len();
-            let free = self.cache.pages_free(self.full_layer).unwrap_or(0);
+            // A rank's share of the prompt (one page more for the uneven
+            // split), plus one page per running sequence.
+            let share = seq.tokens.len().div_ceil(ranks);
+            let need = share.div_ceil(ps) + usize::from(ranks > 1) + self.running.len();
             if need > free && !self.running.is_empty() {
                 break;
             }
@@ -787,6 +885,31 @@ impl<'a> Engine<'a> {
             self.running.push(seq);
         }
         self.start_sequences();
+        Ok(())
+    }
+
+    /// Plans `steps` in the cache: `Ok(false)` when a pool lacks the pages
+    /// (on any rank, with context parallelism: then no rank plans it).
+    fn try_pre_step(&mut self, steps: &[(u64, usize)]) -> Result<bool> {
+        let full = |r: std::result::Result<(), te_cache::CacheError>| match r {
+            Ok(()) => Ok(true),
+            Err(te_cache::CacheError::CacheFull { .. }) => Ok(false),
+            Err(e) => Err(ModelError::from(e)),
+        };
+        let Some(cp) = self.cp.as_mut() else {
+            return full(self.cache.pre_step(steps));
+        };
+        let placed = cp.place(steps);
+        let local = cp.local_steps(&placed);
+        let mut fits = [u64::from(full(self.cache.check_step_shard(&local))?)];
+        te_ring::all_reduce_min(cp.comm(), "step fits", &mut fits)
+            .map_err(|e| ModelError::Request(format!("context parallelism: {e}")))?;
+        if fits[0] == 0 {
+            return Ok(false);
+        }
+        self.cache.pre_step_shard(&local)?;
+        cp.commit(placed);
+        Ok(true)
     }
 
     /// Enters admitted sequences into the cache, taking shared prefix pages
@@ -836,6 +959,9 @@ impl<'a> Engine<'a> {
     fn release(&mut self, id: RequestId) -> Result<()> {
         if self.cache.contains(id) {
             self.cache.release(id)?;
+        }
+        if let Some(cp) = self.cp.as_mut() {
+            cp.release(id);
         }
         Ok(())
     }

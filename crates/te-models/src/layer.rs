@@ -26,14 +26,14 @@ use crate::Result;
 
 /// Per-layer settings resolved from the config.
 pub struct Layer {
-    index: usize,
+    pub(crate) index: usize,
     /// Keys per query, itself included, on a sliding-window layer.
     pub window: Option<usize>,
-    attention: DotProductAttention,
+    pub(crate) attention: DotProductAttention,
     convention: RopeConvention,
-    num_heads: usize,
-    num_heads_kv: usize,
-    head_dim: usize,
+    pub(crate) num_heads: usize,
+    pub(crate) num_heads_kv: usize,
+    pub(crate) head_dim: usize,
     eps: f32,
     activation: Activation,
 }
@@ -80,12 +80,46 @@ impl Layer {
         cache: &mut InferenceParams,
         ws: &mut Workspace,
     ) -> Result<()> {
+        let cu_seqlens_q = plan.cu_seqlens_q();
+        let rows = Rows {
+            t: plan.num_tokens(),
+            rope_cu: cu_seqlens_q,
+            rope_start: plan.start_positions(),
+        };
+        self.run(w, x, rows, rope, ws, &mut |layer, qkv, out, aws| {
+            let view = cache.step(layer.index, qkv.k, qkv.v, QkvFormat::Thd)?;
+            let meta = AttnMetadata {
+                batch: plan.batch_size(),
+                max_seqlen_q: 0,
+                max_seqlen_kv: 0,
+                cu_seqlens_q: Some(cu_seqlens_q),
+                cu_seqlens_kv: None,
+            };
+            layer
+                .attention
+                .forward_cpu_with(qkv.q, KvInput::Cache(view), &meta, out, None, aws)?;
+            Ok(())
+        })
+    }
+
+    /// The layer around its attention: norms, projections, q/k norms, RoPE
+    /// at `rows`' positions, then `attend(self, q/k/v, out, workspace)`
+    /// (save K/V and attend: `out: [t, hq * d]`), output projection and
+    /// MLP. Single-rank ([`Layer::forward`]) and context-parallel steps
+    /// ([`crate::context_parallel`]) differ only in `attend`.
+    pub(crate) fn run(
+        &self,
+        w: &LayerWeights,
+        x: &mut [f32],
+        rows: Rows<'_>,
+        rope: &RopeTable,
+        ws: &mut Workspace,
+        attend: &mut Attend<'_>,
+    ) -> Result<()> {
         let (hq, hkv, d) = (self.num_heads, self.num_heads_kv, self.head_dim);
-        let t = plan.num_tokens();
+        let t = rows.t;
         let hidden = x.len() / t.max(1);
         let inter = w.gate_proj.out_features;
-        let cu_seqlens_q = plan.cu_seqlens_q();
-        let start_positions = plan.start_positions();
         let [n, q, k, v, attn, o, g, u] = buffers(
             &mut ws.bufs,
             [
@@ -111,25 +145,10 @@ impl Layer {
             rms_norm_inplace(q, qn, self.eps);
             rms_norm_inplace(k, kn, self.eps);
         }
-        let args = |heads| RopeArgs::thd(self.convention, heads, d, cu_seqlens_q, start_positions);
+        let args = |heads| RopeArgs::thd(self.convention, heads, d, rows.rope_cu, rows.rope_start);
         apply_rope_cpu(q, rope, &args(hq))?;
         apply_rope_cpu(k, rope, &args(hkv))?;
-        let view = cache.step(self.index, k, v, QkvFormat::Thd)?;
-        let meta = AttnMetadata {
-            batch: plan.batch_size(),
-            max_seqlen_q: 0,
-            max_seqlen_kv: 0,
-            cu_seqlens_q: Some(cu_seqlens_q),
-            cu_seqlens_kv: None,
-        };
-        self.attention.forward_cpu_with(
-            q,
-            KvInput::Cache(view),
-            &meta,
-            attn,
-            None,
-            &mut ws.attention,
-        )?;
+        attend(self, Qkv { q, k, v }, attn, &mut ws.attention)?;
         w.o_proj.forward_into(attn, t, o, scratch); // [t, hidden]
         if let Some(post) = &w.post_attn_norm {
             rms_norm_inplace(o, post, self.eps);
@@ -156,6 +175,27 @@ impl Layer {
         Ok(())
     }
 }
+
+/// The rows a layer computes: `t` tokens in runs of consecutive positions,
+/// `rope_cu: [runs + 1]` i32 offsets and `rope_start: [runs]` i32 first
+/// positions (one run per sequence on a single rank).
+#[derive(Clone, Copy)]
+pub(crate) struct Rows<'a> {
+    pub t: usize,
+    pub rope_cu: &'a [i32],
+    pub rope_start: &'a [i32],
+}
+
+/// A layer's rotated queries `[t, hq * d]`, keys and values `[t, hkv * d]`.
+pub(crate) struct Qkv<'a> {
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+}
+
+/// Saves a layer's K/V and writes its attention output `[t, hq * d]`.
+pub(crate) type Attend<'a> =
+    dyn FnMut(&Layer, Qkv<'_>, &mut [f32], &mut AttentionWorkspace) -> Result<()> + 'a;
 
 /// The buffers of one forward pass, reused from step to step: the layers'
 /// intermediates (`[t, hidden]`, `[t, h * d]`, `[t, intermediate]` each),

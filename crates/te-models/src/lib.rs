@@ -19,6 +19,7 @@
 
 pub mod chat;
 pub mod config;
+pub mod context_parallel;
 pub mod convert;
 pub mod engine;
 pub mod error;

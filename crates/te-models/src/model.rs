@@ -25,7 +25,7 @@ pub enum Logits {
 pub struct Model {
     pub config: ModelConfig,
     pub weights: ModelWeights,
-    layers: Vec<Layer>,
+    pub(crate) layers: Vec<Layer>,
     /// `[max_position_embeddings, d/2]` tables: global layers, then the
     /// sliding-window layers' (same table when the bases agree).
     rope_global: RopeTable,
@@ -144,10 +144,7 @@ impl Model {
         x.resize(t * hidden, 0.0);
         let result = self.embed(tokens, &mut x).and_then(|()| {
             for (layer, w) in self.layers.iter().zip(&self.weights.layers) {
-                let rope = match (&self.rope_local, layer.window.is_some()) {
-                    (Some(local), true) => local,
-                    _ => &self.rope_global,
-                };
+                let rope = self.rope_for(layer);
                 layer.forward(w, &mut x, &plan, rope, cache, ws)?;
             }
             Ok(())
@@ -172,6 +169,23 @@ impl Model {
             dst.copy_from_slice(&x[r * hidden..(r + 1) * hidden]);
         }
         ws.x = x;
+        self.head(ws);
+        Ok(&ws.logits)
+    }
+
+    /// The RoPE table of `layer` (Gemma 3's local layers have their own).
+    pub(crate) fn rope_for(&self, layer: &Layer) -> &RopeTable {
+        match (&self.rope_local, layer.window.is_some()) {
+            (Some(local), true) => local,
+            _ => &self.rope_global,
+        }
+    }
+
+    /// Final norm, output projection and final softcap: `ws.h: [n, hidden]`
+    /// (normed in place) -> `ws.logits: [n, vocab]`.
+    pub(crate) fn head(&self, ws: &mut Workspace) {
+        let c = &self.config;
+        let n = ws.h.len() / c.hidden_size;
         rms_norm_inplace(&mut ws.h, &self.weights.final_norm, c.rms_norm_eps);
         let head = self
             .weights
@@ -185,12 +199,11 @@ impl Model {
                 .iter_mut()
                 .for_each(|l| *l = cap * (*l / cap).tanh());
         }
-        Ok(&ws.logits)
     }
 
     /// `tokens: [t]` -> `x: [t, hidden]`, times sqrt(hidden_size) for Gemma
     /// (rounded to the activation dtype, f32 here).
-    fn embed(&self, tokens: &[u32], x: &mut [f32]) -> Result<()> {
+    pub(crate) fn embed(&self, tokens: &[u32], x: &mut [f32]) -> Result<()> {
         let c = &self.config;
         let hidden = c.hidden_size;
         let scale = if c.scale_embedding {

@@ -33,7 +33,7 @@ use crate::error::RingError;
 /// then, and `comm` is aborted ([`Communicator::abort_with`] the error),
 /// so every peer fails too, naming the rank where the failure started.
 pub fn all_merge(
-    comm: &mut impl Communicator,
+    comm: &mut (impl Communicator + ?Sized),
     out: &mut [f32],
     lse: &mut [f32],
     num_heads: usize,
@@ -44,7 +44,7 @@ pub fn all_merge(
 }
 
 fn merge_inner(
-    comm: &mut impl Communicator,
+    comm: &mut (impl Communicator + ?Sized),
     out: &mut [f32],
     lse: &mut [f32],
     num_heads: usize,

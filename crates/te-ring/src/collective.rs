@@ -28,7 +28,7 @@ use crate::error::RingError;
 /// not below its size; [`RingError::Communication`] when a peer fails or
 /// runs a different call. `comm` is aborted then.
 pub fn all_gather<T: bytemuck::Pod>(
-    comm: &mut impl Communicator,
+    comm: &mut (impl Communicator + ?Sized),
     op: &str,
     words: &[u64],
     local: &[T],
@@ -51,7 +51,7 @@ pub fn all_gather<T: bytemuck::Pod>(
 /// runs a different call (another `op` or length). `values` is unchanged
 /// and `comm` aborted then.
 pub fn all_reduce_min(
-    comm: &mut impl Communicator,
+    comm: &mut (impl Communicator + ?Sized),
     op: &str,
     values: &mut [u64],
 ) -> Result<(), RingError> {
@@ -73,7 +73,11 @@ pub fn all_reduce_min(
 /// runs a different call (another `what`). [`RingError::InvalidArgument`]
 /// for a communicator whose rank is not below its size. `comm` is aborted
 /// then.
-pub fn agree(comm: &mut impl Communicator, what: &str, words: &[u64]) -> Result<(), RingError> {
+pub fn agree(
+    comm: &mut (impl Communicator + ?Sized),
+    what: &str,
+    words: &[u64],
+) -> Result<(), RingError> {
     let tag = call_tag(what, [KIND_AGREE]);
     let result = gather(comm, tag, words, None, "description").and_then(|all| {
         let cp_rank = comm.cp_rank();
@@ -109,7 +113,7 @@ fn difference(words: &[u64], first: &[u64]) -> String {
 /// count every block must have. `differs` names what a tag mismatch means
 /// for the caller.
 fn gather<T: bytemuck::Pod>(
-    comm: &mut impl Communicator,
+    comm: &mut (impl Communicator + ?Sized),
     tag: u64,
     local: &[T],
     len: Option<usize>,

@@ -107,7 +107,7 @@ pub trait Communicator: Send {
 /// if it is an error (what every ring call does on failure, see the
 /// module doc).
 pub(crate) fn abort_on_error<R>(
-    comm: &mut impl Communicator,
+    comm: &mut (impl Communicator + ?Sized),
     result: Result<R, RingError>,
 ) -> Result<R, RingError> {
     if let Err(e) = &result {

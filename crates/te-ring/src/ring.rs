@@ -126,7 +126,7 @@ impl RingAttention {
     /// where the failure started.
     pub fn forward_cpu<T: Element, O: Element>(
         &self,
-        comm: &mut impl Communicator,
+        comm: &mut (impl Communicator + ?Sized),
         seqlens: &[usize],
         q: &[T],
         k: &[T],
@@ -162,7 +162,7 @@ impl RingAttention {
 
     fn forward_inner<T: Element, O: Element>(
         &self,
-        comm: &mut impl Communicator,
+        comm: &mut (impl Communicator + ?Sized),
         seqlens: &[usize],
         q: &[T],
         k: &[T],
