@@ -117,7 +117,8 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     }
     for file in ["run.sh", "hf_baseline.py"] {
         let src = root.join("xtask/gpu").join(file);
-        std::fs::copy(&src, dir.join(file)).with_context(|| format!("copying {}", src.display()))?;
+        std::fs::copy(&src, dir.join(file))
+            .with_context(|| format!("copying {}", src.display()))?;
     }
     let preset = te_models::random::PRESETS
         .iter()

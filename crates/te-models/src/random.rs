@@ -106,7 +106,7 @@ pub const PRESETS: &[Preset] = &[
         config_json: r#"{
   "model_type": "llama", "bos_token_id": 1, "eos_token_id": 2,
   "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 160, "head_dim": 16,
-  "max_position_embeddings": 256, "num_attention_heads": 4, "num_hidden_layers": 2,
+  "max_position_embeddings": 1024, "num_attention_heads": 4, "num_hidden_layers": 2,
   "num_key_value_heads": 2, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
   "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
@@ -119,7 +119,7 @@ pub const PRESETS: &[Preset] = &[
         config_json: r#"{
   "model_type": "gemma", "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
   "hidden_act": "gelu", "hidden_size": 64, "intermediate_size": 192, "head_dim": 16,
-  "max_position_embeddings": 256, "num_attention_heads": 4, "num_hidden_layers": 2,
+  "max_position_embeddings": 1024, "num_attention_heads": 4, "num_hidden_layers": 2,
   "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
   "vocab_size": 320
 }"#,
@@ -130,7 +130,7 @@ pub const PRESETS: &[Preset] = &[
         config_json: r#"{
   "model_type": "gemma2", "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
   "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 64, "intermediate_size": 192,
-  "head_dim": 16, "max_position_embeddings": 256, "num_attention_heads": 4,
+  "head_dim": 16, "max_position_embeddings": 1024, "num_attention_heads": 4,
   "num_hidden_layers": 3, "num_key_value_heads": 2, "query_pre_attn_scalar": 24,
   "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4,
   "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0, "vocab_size": 320
@@ -142,7 +142,7 @@ pub const PRESETS: &[Preset] = &[
         config_json: r#"{
   "model_type": "gemma3_text", "bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0,
   "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 64, "intermediate_size": 192,
-  "head_dim": 16, "max_position_embeddings": 256, "num_attention_heads": 4,
+  "head_dim": 16, "max_position_embeddings": 1024, "num_attention_heads": 4,
   "num_hidden_layers": 4, "num_key_value_heads": 2, "query_pre_attn_scalar": 16,
   "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
   "rope_scaling": {"rope_type": "linear", "factor": 2.0},
