@@ -10,7 +10,11 @@ use common::{ids, te, te_json};
 
 const TINY: [&str; 4] = ["tiny-llama", "tiny-gemma", "tiny-gemma2", "tiny-gemma3"];
 
-/// Generated tokens of each prompt, and the prompts' token ids.
+/// The prompts' token ids and the tokens generated for each, sampled at
+/// temperature 1 with sampler seed 3: greedy decoding of a random model with
+/// tied embeddings repeats the last token whatever the weights (the
+/// residual stream keeps the token's own embedding, whose logit then wins),
+/// which would hide a seed that changed nothing.
 fn generate(model: &str) -> Vec<(Vec<u32>, Vec<u32>)> {
     te_json(&[
         "generate",
@@ -26,6 +30,10 @@ fn generate(model: &str) -> Vec<(Vec<u32>, Vec<u32>)> {
         "--json",
         "-t",
         "1",
+        "--temperature",
+        "1",
+        "--seed",
+        "3",
     ])
     .iter()
     .map(|o| (ids(&o["prompt_tokens"]), ids(&o["tokens"])))
