@@ -1,57 +1,59 @@
-//! `cargo xtask gpu-bundle`: the GPU parity tests as prebuilt binaries
-//! plus one script, for a GPU machine that has no Rust toolchain (the
-//! `device` tool's machines).
+//! `cargo xtask gpu-bundle`: one self-contained GPU check for a machine
+//! that has no Rust toolchain and no network (the `device` tool's
+//! machines): `target/gpu-bundle/` with stripped release binaries (`bin/te`
+//! and the GPU parity test executables in `tests/`: te-kernels
+//! `cuda_parity`, te-attention `gpu_parity`), `run.sh` and
+//! `hf_baseline.py` (both from `xtask/gpu/`), and `gemma-7b.config.json`
+//! (the `random:gemma-7b` preset's config, for the Hugging Face baseline),
+//! under [`MAX_BUNDLE_BYTES`].
 //!
-//! Builds the test executables of te-kernels `cuda_parity` and
-//! te-attention `gpu_parity` in release, copies them into
-//! `target/gpu-bundle/` with `run.sh`, which runs each with
-//! `--include-ignored` (the device tests are `#[ignore]`d for machines
-//! without a GPU) and `TE_REQUIRE_GPU=1` (no GPU is a failure, not a
-//! skip), writes the logs
-//! to `$OUT` (or the bundle folder) and exits non-zero if any failed. The
+//! `run.sh` runs the steps of issue 14 (kernel parity, tiny random models
+//! cuda vs cpu, the Gemma-7B tutorial workload with and without CUDA
+//! graphs, the Hugging Face baseline, decode tokens/s and bandwidth, a
+//! final table; see the script's header); `run.sh --dry-run` runs the CPU
+//! half of each on any machine and prints the plan of the GPU steps. The
 //! kernels are compiled at run time by the machine's NVRTC (found on
 //! `LD_LIBRARY_PATH`; the script adds the CUDA toolkit's and the pip
 //! wheels' library folders it finds).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context};
 
 use crate::test::GPU_TESTS;
 
-const RUN_SH: &str = r#"#!/usr/bin/env bash
-# Runs the te-rs GPU parity tests built by `cargo xtask gpu-bundle`.
-set -uo pipefail
-here="$(cd "$(dirname "$0")" && pwd)"
-out="${OUT:-$here}"
-export TE_REQUIRE_GPU=1
-# The driver, NVRTC and the CUDA runtime: the driver mount, the toolkit and any pip wheels.
-for d in /usr/local/nvidia/lib64 /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/lib/x86_64-linux-gnu; do
-  [ -d "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
-done
-if command -v python3 >/dev/null; then
-  for d in $(python3 - <<'PY' 2>/dev/null
-import glob, os, site
-roots = site.getsitepackages() + [site.getusersitepackages()]
-for r in roots:
-    for d in glob.glob(os.path.join(r, "nvidia", "*", "lib")):
-        print(d)
-PY
-  ); do export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"; done
-fi
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$out/gpu.txt"
-status=0
-for t in TESTS; do
-  echo "== $t"
-  # The device tests are #[ignore]d (they need a GPU): run them too.
-  "$here/$t" --include-ignored --test-threads=1 2>&1 | tee "$out/$t.log"
-  rc=${PIPESTATUS[0]}
-  echo "== $t: exit $rc"
-  [ "$rc" -eq 0 ] || status=1
-done
-exit $status
-"#;
+/// The bundle must travel to the GPU machine (64 MiB transfer limit).
+const MAX_BUNDLE_BYTES: u64 = 60 << 20;
+
+/// Copies `exe` to `dst` without symbols (`objcopy --strip-all`), or as is
+/// when objcopy is missing.
+fn copy_stripped(exe: &Path, dst: &Path) -> anyhow::Result<()> {
+    let status = Command::new("objcopy")
+        .arg("--strip-all")
+        .arg(exe)
+        .arg(dst)
+        .status();
+    if !matches!(status, Ok(s) if s.success()) {
+        std::fs::copy(exe, dst).with_context(|| format!("copying {}", exe.display()))?;
+    }
+    Ok(())
+}
+
+/// Bytes of every file under `dir`.
+fn tree_bytes(dir: &Path) -> anyhow::Result<u64> {
+    let mut total = 0;
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let meta = entry.metadata()?;
+        total += if meta.is_dir() {
+            tree_bytes(&entry.path())?
+        } else {
+            meta.len()
+        };
+    }
+    Ok(total)
+}
 
 pub fn run(args: &[String]) -> anyhow::Result<()> {
     if let Some(a) = args.first() {
@@ -59,6 +61,14 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     }
     let root = crate::workspace_root();
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = Command::new(&cargo)
+        .current_dir(&root)
+        .args(["build", "--release", "-p", "te-cli", "--bin", "te"])
+        .status()
+        .context("running cargo build -p te-cli")?;
+    if !status.success() {
+        bail!("building te failed ({status})");
+    }
     let mut cmd = Command::new(&cargo);
     cmd.current_dir(&root).args([
         "test",
@@ -97,37 +107,44 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     if dir.exists() {
         std::fs::remove_dir_all(&dir).with_context(|| format!("clearing {}", dir.display()))?;
     }
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    for (name, exe) in &exes {
-        let dst = dir.join(name);
-        // Stripped: the bundle travels to the GPU machine (64 MiB limit).
-        let status = Command::new("objcopy")
-            .args(["--strip-debug"])
-            .arg(exe)
-            .arg(&dst)
-            .status();
-        if !matches!(status, Ok(s) if s.success()) {
-            std::fs::copy(exe, &dst).with_context(|| format!("copying {}", exe.display()))?;
-        }
+    for sub in ["bin", "tests"] {
+        let d = dir.join(sub);
+        std::fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
     }
-    let names: Vec<&str> = exes.iter().map(|(n, _)| n.as_str()).collect();
-    let script = dir.join("run.sh");
-    std::fs::write(&script, RUN_SH.replace("TESTS", &names.join(" ")))
-        .with_context(|| format!("writing {}", script.display()))?;
+    copy_stripped(&root.join("target/release/te"), &dir.join("bin/te"))?;
+    for (name, exe) in &exes {
+        copy_stripped(exe, &dir.join("tests").join(name))?;
+    }
+    for file in ["run.sh", "hf_baseline.py"] {
+        let src = root.join("xtask/gpu").join(file);
+        std::fs::copy(&src, dir.join(file))
+            .with_context(|| format!("copying {}", src.display()))?;
+    }
+    let preset = te_models::random::PRESETS
+        .iter()
+        .find(|p| p.name == "gemma-7b")
+        .context("the gemma-7b preset is missing from te_models::random::PRESETS")?;
+    std::fs::write(dir.join("gemma-7b.config.json"), preset.config_json)?;
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755))?;
+        std::fs::set_permissions(dir.join("run.sh"), std::fs::Permissions::from_mode(0o755))?;
     }
-    let bytes: u64 = std::fs::read_dir(&dir)?
-        .filter_map(|e| e.ok()?.metadata().ok())
-        .map(|m| m.len())
-        .sum();
+    let bytes = tree_bytes(&dir)?;
+    let mib = bytes as f64 / (1 << 20) as f64;
+    if bytes > MAX_BUNDLE_BYTES {
+        bail!(
+            "{} is {mib:.1} MiB, over the {} MiB limit",
+            dir.display(),
+            MAX_BUNDLE_BYTES >> 20
+        );
+    }
+    let names: Vec<&str> = exes.iter().map(|(n, _)| n.as_str()).collect();
     println!(
-        "{}: {} ({:.1} MiB); on the GPU machine run `bash target/gpu-bundle/run.sh`",
+        "{}: te, {} ({mib:.1} MiB); on the GPU machine run `bash target/gpu-bundle/run.sh` \
+         (`--dry-run` here: the CPU half and the plan)",
         dir.display(),
         names.join(", "),
-        bytes as f64 / (1 << 20) as f64
     );
     Ok(())
 }

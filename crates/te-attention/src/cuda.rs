@@ -20,7 +20,7 @@
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg};
-use te_kernels::cuda::{CudaDevice, CudaElement, KernelSource};
+use te_kernels::cuda::{CudaDevice, CudaElement, KernelSource, LaunchShape};
 use te_kernels::{KvCacheLayout, QkvFormat};
 
 use crate::attention::{AttnMetadata, DotProductAttention, KvLens, Plan, OP};
@@ -40,6 +40,25 @@ const BC: usize = 32;
 const THREADS: u32 = 128;
 /// Largest supported `head_dim_v` (output columns live in registers).
 pub const MAX_HEAD_DIM_V: usize = 256;
+/// Threads per block of `attn_combine_*`.
+const COMBINE_THREADS: u32 = 64;
+
+/// The launch shapes of `attention.cu`'s kernels (for `cargo xtask
+/// kernels`); `attn_fwd`'s dynamic shared memory at its largest, head
+/// dimensions of [`MAX_HEAD_DIM_V`].
+pub const LAUNCHES: &[LaunchShape] = &[
+    LaunchShape {
+        kernel: "attn_fwd",
+        threads_per_block: THREADS,
+        max_dynamic_shared_bytes: shared_bytes(MAX_HEAD_DIM_V, MAX_HEAD_DIM_V) as u32,
+    },
+    LaunchShape {
+        kernel: "attn_combine",
+        threads_per_block: COMBINE_THREADS,
+        max_dynamic_shared_bytes: 0,
+    },
+];
+
 /// i64 fields per sequence in the metadata upload (`ATTN_SEQ_FIELDS`).
 const SEQ_FIELDS: usize = 8;
 /// At most this many KV splits.
@@ -264,7 +283,7 @@ fn seq_fields<T>(
 }
 
 /// Shared memory of `attn_fwd` (bytes): key rows, q, k (padded), v, p.
-fn shared_bytes(d_qk: usize, d_v: usize) -> usize {
+const fn shared_bytes(d_qk: usize, d_v: usize) -> usize {
     8 * BC + 4 * (ROWS * d_qk + BC * (d_qk + 1) + BC * d_v + ROWS * BC)
 }
 
@@ -440,7 +459,7 @@ fn launch<T: CudaElement>(
             .map_err(kernel_err)?;
         let cfg = LaunchConfig {
             grid_dim: (u32::try_from(max_q).map_err(cuda_err)?, hq as u32, b as u32),
-            block_dim: (64, 1, 1),
+            block_dim: (COMBINE_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut builder = stream.launch_builder(&combine);

@@ -182,9 +182,7 @@ struct ModelDesc {
 
 impl ModelDesc {
     fn new(source: &te_models::hub::ModelSource, info: &te_models::inspect::ModelInfo) -> Self {
-        let path = match source {
-            te_models::hub::ModelSource::Gguf(p) | te_models::hub::ModelSource::HfDir(p) => p,
-        };
+        let path = source.path();
         // The weight type most tensors have, leaving out the f32 norms.
         let main_type = info
             .tensor_dtypes

@@ -55,6 +55,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "--model {} is already a Hugging Face directory; te convert reads GGUF files",
             dir.display()
         ),
+        ModelSource::Random(r) => bail!(
+            "--model {} is a random-weight model; te convert reads GGUF files",
+            r.spec
+        ),
     };
     let dtype = match args.dtype {
         Dtype::F32 => OutputDtype::F32,

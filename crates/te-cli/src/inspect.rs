@@ -2,7 +2,6 @@
 
 use std::io::Write;
 
-use te_models::hub::ModelSource;
 use te_models::inspect::{config_json, inspect};
 
 #[derive(clap::Args)]
@@ -29,11 +28,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         if info.problems.is_empty() {
             return Ok(());
         }
-        let path = match &source {
-            ModelSource::Gguf(p) | ModelSource::HfDir(p) => p.clone(),
-        };
         Err(te_models::ModelError::Invalid {
-            path,
+            path: source.path().to_path_buf(),
             problems: info.problems.clone(),
         }
         .into())

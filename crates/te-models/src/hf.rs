@@ -79,7 +79,7 @@ fn token_ids(v: &Option<serde_json::Value>, name: &str) -> Result<Vec<u32>> {
     }
 }
 
-fn read_json(path: &Path) -> Result<String> {
+pub(crate) fn read_json(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).map_err(|error| ModelError::Io {
         path: path.to_path_buf(),
         error,
@@ -96,20 +96,7 @@ fn parse_json<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Result
 /// Reads `dir/config.json` (and `generation_config.json` if present).
 pub fn load_config(dir: &Path) -> Result<ModelConfig> {
     let path = dir.join("config.json");
-    let mut raw: HfConfig = parse_json(&path, &read_json(&path)?)?;
-    let model_type = field(raw.model_type.clone(), "model_type")?;
-    if let Some(text) = raw.text_config.take() {
-        // Multimodal Gemma 3 wraps the text model's config.
-        raw = HfConfig {
-            model_type: Some(model_type.clone()),
-            ..*text
-        };
-    }
-    let architecture = Architecture::parse(&model_type).ok_or_else(|| ModelError::Config {
-        field: "model_type".into(),
-        reason: format!("unknown model_type `{model_type}` (supported: llama, mistral, gemma, gemma2, gemma3, gemma3_text)"),
-    })?;
-    let mut cfg = config_from_hf(architecture, &raw)?;
+    let mut cfg = config_from_json_text(&path, &read_json(&path)?)?;
     let gen_path = dir.join("generation_config.json");
     if gen_path.exists() {
         #[derive(Deserialize)]
@@ -124,6 +111,25 @@ pub fn load_config(dir: &Path) -> Result<ModelConfig> {
     }
     cfg.validate()?;
     Ok(cfg)
+}
+
+/// Resolves the text of a Hugging Face `config.json` (`path` is named in
+/// JSON errors) into a [`ModelConfig`], not yet validated.
+pub fn config_from_json_text(path: &Path, text: &str) -> Result<ModelConfig> {
+    let mut raw: HfConfig = parse_json(path, text)?;
+    let model_type = field(raw.model_type.clone(), "model_type")?;
+    if let Some(text) = raw.text_config.take() {
+        // Multimodal Gemma 3 wraps the text model's config.
+        raw = HfConfig {
+            model_type: Some(model_type.clone()),
+            ..*text
+        };
+    }
+    let architecture = Architecture::parse(&model_type).ok_or_else(|| ModelError::Config {
+        field: "model_type".into(),
+        reason: format!("unknown model_type `{model_type}` (supported: llama, mistral, gemma, gemma2, gemma3, gemma3_text)"),
+    })?;
+    config_from_hf(architecture, &raw)
 }
 
 fn config_from_hf(architecture: Architecture, raw: &HfConfig) -> Result<ModelConfig> {

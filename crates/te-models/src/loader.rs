@@ -8,7 +8,7 @@ use crate::hub::ModelSource;
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 use crate::validate;
-use crate::weights::{ModelWeights, NameScheme};
+use crate::weights::{ModelWeights, NameScheme, TensorSource};
 use crate::{ModelError, Result};
 
 /// A model with its tokenizer.
@@ -22,6 +22,7 @@ pub fn load_config_only(source: &ModelSource) -> Result<ModelConfig> {
     match source {
         ModelSource::Gguf(path) => config_from_gguf(&GgufFile::open(path)?),
         ModelSource::HfDir(dir) => load_config(dir),
+        ModelSource::Random(random) => random.load_config(),
     }
 }
 
@@ -30,6 +31,7 @@ pub fn load_tokenizer(source: &ModelSource) -> Result<Tokenizer> {
     match source {
         ModelSource::Gguf(path) => Tokenizer::from_gguf(&GgufFile::open(path)?),
         ModelSource::HfDir(dir) => Tokenizer::from_file(&dir.join("tokenizer.json")),
+        ModelSource::Random(random) => random.tokenizer(),
     }
 }
 
@@ -105,6 +107,32 @@ pub fn load_parts(source: &ModelSource) -> Result<LoadedParts> {
                 0.0
             };
             let weights = ModelWeights::load(&st, NameScheme::HuggingFace, &config, norm_offset)?;
+            Ok(LoadedParts {
+                config,
+                tokenizer,
+                weights,
+            })
+        }
+        ModelSource::Random(random) => {
+            let config = random.load_config()?;
+            let tokenizer = random.tokenizer()?;
+            let tensors = random.tensors(&config);
+            let problems = validate::problems(
+                &config,
+                NameScheme::HuggingFace,
+                &tensors,
+                None,
+                Some(&tokenizer),
+            );
+            validate::to_result(tensors.origin(), problems)?;
+            // Stored as Hugging Face stores them: Gemma norms hold w of (1 + w).
+            let norm_offset = if config.architecture.is_gemma() {
+                1.0
+            } else {
+                0.0
+            };
+            let weights =
+                ModelWeights::load(&tensors, NameScheme::HuggingFace, &config, norm_offset)?;
             Ok(LoadedParts {
                 config,
                 tokenizer,

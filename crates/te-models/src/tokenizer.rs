@@ -305,6 +305,93 @@ impl Tokenizer {
         Ok(t)
     }
 
+    /// A byte tokenizer for a model that ships none (random-weight models,
+    /// [`crate::random`]): each UTF-8 byte of the text is one token, at the
+    /// first 256 ids of `0..vocab_size` that are not BOS or EOS
+    /// ([`crate::random::byte_token_ids`]); BOS (`<bos>`) is prepended when
+    /// there is one; EOS ids are special tokens `<eos>` (further ones
+    /// `<eos_ID>`); every other id decodes as the text `<ID>`.
+    ///
+    /// Errors: [`ModelError::Config`] naming `vocab_size` when it cannot
+    /// hold 256 bytes beside the special tokens, or a special id outside it.
+    pub fn bytes(vocab_size: usize, bos_id: Option<u32>, eos_ids: &[u32]) -> Result<Tokenizer> {
+        let mut specials: Vec<(u32, String)> =
+            bos_id.map(|b| (b, "<bos>".into())).into_iter().collect();
+        for &id in eos_ids {
+            if !specials.iter().any(|(s, _)| *s == id) {
+                let n = specials.len() - usize::from(bos_id.is_some());
+                let text = if n == 0 {
+                    "<eos>".into()
+                } else {
+                    format!("<eos_{id}>")
+                };
+                specials.push((id, text));
+            }
+        }
+        let bad = |reason: String| ModelError::Config {
+            field: "vocab_size".into(),
+            reason,
+        };
+        if let Some((id, _)) = specials.iter().find(|(id, _)| *id as usize >= vocab_size) {
+            return Err(bad(format!(
+                "{vocab_size} does not hold special token id {id}"
+            )));
+        }
+        let special_ids: Vec<u32> = specials.iter().map(|(id, _)| *id).collect();
+        let byte_ids =
+            crate::random::byte_token_ids(vocab_size, &special_ids).ok_or_else(|| {
+                bad(format!(
+                    "{vocab_size} cannot hold 256 byte tokens beside {} special tokens",
+                    specials.len()
+                ))
+            })?;
+        let mut pieces: Vec<Option<String>> = vec![None; vocab_size];
+        for (byte, &id) in byte_level_chars().into_iter().zip(&byte_ids) {
+            pieces[id as usize] = Some(byte.to_string());
+        }
+        for (id, text) in &specials {
+            pieces[*id as usize] = Some(text.clone());
+        }
+        let mut vocab = Vocab::with_capacity(vocab_size);
+        for (id, piece) in pieces.into_iter().enumerate() {
+            vocab.insert(piece.unwrap_or_else(|| format!("<{id}>")), id as u32);
+        }
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, Vec::new())
+            .build()
+            .map_err(tok_err)?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        inner.with_pre_tokenizer(Some(ByteLevel::new(false, true, false)));
+        inner.with_decoder(Some(ByteLevel::new(false, true, false)));
+        let added: Vec<AddedToken> = specials
+            .iter()
+            .map(|(_, text)| AddedToken::from(text.clone(), true).normalized(false))
+            .collect();
+        inner.add_special_tokens(&added);
+        if let Some(bos) = bos_id {
+            let template = TemplateProcessing::builder()
+                .try_single("<bos> $A")
+                .and_then(|b| b.try_pair("<bos> $A <bos> $B"))
+                .map_err(tok_err)?
+                .special_tokens(vec![("<bos>".to_string(), bos)])
+                .build()
+                .map_err(tok_err)?;
+            inner.with_post_processor(Some(template));
+        }
+        let mut eos: Vec<u32> = eos_ids.to_vec();
+        eos.sort_unstable();
+        eos.dedup();
+        let primary_eos = eos_ids.first().copied();
+        let mut t = Self::with_inner(
+            inner,
+            "bytes (one token per UTF-8 byte; other ids decode as <ID>)".into(),
+            bos_id,
+            eos,
+        );
+        t.chat_eos = t.text_of(primary_eos);
+        Ok(t)
+    }
+
     fn with_inner(
         inner: tokenizers::Tokenizer,
         kind: String,
@@ -545,6 +632,24 @@ impl DecodeStream<'_> {
     }
 }
 
+/// The characters byte-level BPE writes bytes 0..=255 as, in byte order
+/// (GPT-2's alphabet): printable Latin-1 bytes stand for themselves, the
+/// others take the code points from U+0100 on, in order.
+fn byte_level_chars() -> Vec<char> {
+    let mut next = 0x100u32;
+    (0u8..=255)
+        .map(|b| {
+            if matches!(b, 33..=126 | 161..=172 | 174..=255) {
+                char::from(b)
+            } else {
+                let c = char::from_u32(next).expect("U+0100..U+0143 are chars");
+                next += 1;
+                c
+            }
+        })
+        .collect()
+}
+
 /// Piece -> id, keeping the first id of a duplicated piece.
 fn vocab_map(tokens: &[&str]) -> Vocab {
     let mut vocab = Vocab::with_capacity(tokens.len());
@@ -747,6 +852,56 @@ fn chat_template_of(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn byte_level_chars_are_the_byte_level_alphabet() {
+        let mut ours = byte_level_chars();
+        ours.sort_unstable();
+        ours.dedup();
+        let mut theirs: Vec<char> = ByteLevel::alphabet().into_iter().collect();
+        theirs.sort_unstable();
+        assert_eq!(ours.len(), 256);
+        assert_eq!(ours, theirs);
+    }
+
+    /// Gemma 3's ids: eos 1 and 106, bos 2, so bytes take 0, 3..=105 and
+    /// 107..=259.
+    #[test]
+    fn byte_tokenizer_round_trips_bytes() {
+        let t = Tokenizer::bytes(300, Some(2), &[1, 106]).unwrap();
+        let byte_id = |b: u8| match b as u32 {
+            0 => 0,
+            b if b + 2 < 106 => b + 2,
+            b => b + 3,
+        };
+        let text = "hé <bos>x";
+        let mut want = vec![2];
+        want.extend("hé ".bytes().map(byte_id));
+        want.push(2);
+        want.push(byte_id(b'x'));
+        assert_eq!(t.encode(text, true).unwrap(), want);
+        // As plain text the marker is bytes.
+        assert_eq!(t.encode("<bos>", false).unwrap().len(), 6);
+        assert_eq!(t.decode(&want, false).unwrap(), format!("<bos>{text}"));
+        assert_eq!(
+            t.decode(&[byte_id(b'a'), 299, 1, 106], true).unwrap(),
+            "a<299>"
+        );
+        assert_eq!(t.decode(&[1, 106], false).unwrap(), "<eos><eos_106>");
+        assert_eq!((t.vocab_size(), t.max_token_id()), (300, Some(299)));
+        assert_eq!(t.eos_ids(), &[1, 106]);
+        let e = Tokenizer::bytes(257, Some(2), &[1])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("vocab_size") && e.contains("256 byte tokens"),
+            "{e}"
+        );
+        let e = Tokenizer::bytes(300, Some(300), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("special token id 300"), "{e}");
+    }
 
     #[test]
     fn chat_template_from_tokenizer_config_forms() {

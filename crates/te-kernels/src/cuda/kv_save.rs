@@ -3,7 +3,7 @@
 
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 
-use super::{cuda_err, CudaDevice, CudaElement, KV_CACHE_CU};
+use super::{cuda_err, CudaDevice, CudaElement, KV_CACHE_CU, KV_CACHE_THREADS};
 use crate::kv_save::plan_save;
 use crate::{ConvertArgs, KernelError, KvCacheLayout, KvStep};
 
@@ -39,7 +39,7 @@ fn grid(op: &'static str, rows: usize) -> Result<LaunchConfig, KernelError> {
         })?;
     Ok(LaunchConfig {
         grid_dim: (g, 1, 1),
-        block_dim: (128, 1, 1),
+        block_dim: (KV_CACHE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     })
 }

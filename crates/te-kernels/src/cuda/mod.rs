@@ -34,6 +34,51 @@ pub struct KernelSource {
     pub text: &'static str,
 }
 
+/// How the host launches one kernel family: the numbers `cargo xtask
+/// kernels` checks ptxas' register and shared-memory report against
+/// (registers x threads per block within the register file, static plus
+/// dynamic shared memory within the architecture's per-block limit). The
+/// launch code uses the same constants, so the check cannot drift from it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchShape {
+    /// The kernel's name without its dtype suffix (`rope_fwd` for
+    /// `rope_fwd_bf16`).
+    pub kernel: &'static str,
+    /// Threads per block.
+    pub threads_per_block: u32,
+    /// The most dynamic shared memory one launch asks for, in bytes.
+    pub max_dynamic_shared_bytes: u32,
+}
+
+/// Threads per block of `rope_fwd_*`.
+pub const ROPE_THREADS: u32 = 128;
+/// Threads per block of `kv_save_*` and the thd<->bshd conversions.
+pub const KV_CACHE_THREADS: u32 = 128;
+
+/// The launch shapes of the kernels in `rope.cu` and `kv_cache.cu`.
+pub const LAUNCHES: &[LaunchShape] = &[
+    LaunchShape {
+        kernel: "rope_fwd",
+        threads_per_block: ROPE_THREADS,
+        max_dynamic_shared_bytes: 0,
+    },
+    LaunchShape {
+        kernel: "kv_save",
+        threads_per_block: KV_CACHE_THREADS,
+        max_dynamic_shared_bytes: 0,
+    },
+    LaunchShape {
+        kernel: "convert_thd_to_bshd",
+        threads_per_block: KV_CACHE_THREADS,
+        max_dynamic_shared_bytes: 0,
+    },
+    LaunchShape {
+        kernel: "convert_bshd_to_thd",
+        threads_per_block: KV_CACHE_THREADS,
+        max_dynamic_shared_bytes: 0,
+    },
+];
+
 /// `kernels/common.cuh`: storage types and conversions shared by all kernels.
 pub const COMMON_CUH: &str = include_str!("../../../../kernels/common.cuh");
 /// `kernels/rope.cu`.

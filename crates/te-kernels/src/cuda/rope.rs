@@ -3,7 +3,7 @@
 
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 
-use super::{cuda_err, CudaDevice, CudaElement, ROPE_CU};
+use super::{cuda_err, CudaDevice, CudaElement, ROPE_CU, ROPE_THREADS};
 use crate::rope::{check_no_overlap, TensorStrides};
 use crate::{KernelError, QkvFormat, RopeArgs, RopeConvention, RopeTable};
 
@@ -162,7 +162,7 @@ fn launch<T: CudaElement>(
     let f = dev.function(ROPE_CU, &format!("rope_fwd_{}", T::SUFFIX))?;
     let cfg = LaunchConfig {
         grid_dim: (grid, 1, 1),
-        block_dim: (128, 1, 1),
+        block_dim: (ROPE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
     let null: u64 = 0;

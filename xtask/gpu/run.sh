@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# The te-rs GPU check, as built by `cargo xtask gpu-bundle` (bin/te,
+# tests/*, hf_baseline.py, gemma-7b.config.json beside this script).
+#
+#   run.sh            on a GPU machine (no Rust, no network needed)
+#   run.sh --dry-run  anywhere: the CPU half of every check, and the plan of
+#                     the GPU steps
+#
+# Steps: 1 kernel parity, 2 tiny random models cuda vs cpu, 3 the Gemma-7B
+# tutorial workload (random bf16 weights, batch 64, 20 + 492 tokens, with
+# and without CUDA graphs), 4 the Hugging Face baseline of the same workload,
+# 5 decode tokens/s at batch 1, 8, 64 and kernel bandwidth against a
+# device-to-device copy, 6 one table. A GPU step whose te-rs side does not
+# exist yet is reported as "not built yet", never faked. Logs go to $OUT (or
+# ./out beside this script). Exit status: non-zero if any step that ran failed.
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${OUT:-$here/out}"
+mkdir -p "$out"
+dry=0
+case "${1:-}" in
+  --dry-run) dry=1 ;;
+  "") ;;
+  *) echo "usage: run.sh [--dry-run]" >&2; exit 2 ;;
+esac
+te="$here/bin/te"
+threads="$(nproc)"
+status=0
+rows=()
+row() { rows+=("$1|$2|$3"); }
+step() { echo; echo "== $*"; }
+fail() { status=1; row "$1" "FAIL" "$2"; }
+# `te generate --device` exists once the CUDA model path is built (issue 14).
+has_cuda_model=0
+"$te" generate --help 2>/dev/null | grep -q -- '--device' && has_cuda_model=1
+not_built="not built yet (te generate --device cuda)"
+
+if [ "$dry" -eq 0 ]; then
+  export TE_REQUIRE_GPU=1
+  # The driver, NVRTC and cuBLAS: the driver mount, the toolkit, pip wheels.
+  for d in /usr/local/nvidia/lib64 /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/lib/x86_64-linux-gnu; do
+    [ -d "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+  done
+  if command -v python3 >/dev/null; then
+    for d in $(python3 - <<'PY' 2>/dev/null
+import glob, os, site
+roots = site.getsitepackages() + [site.getusersitepackages()]
+for r in roots:
+    for d in glob.glob(os.path.join(r, "nvidia", "*", "lib")):
+        print(d)
+PY
+    ); do export LD_LIBRARY_PATH="$d:$LD_LIBRARY_PATH"; done
+  fi
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$out/gpu.txt"
+else
+  echo "dry run: CPU halves only; GPU steps are listed as plans"
+fi
+
+step "1. kernel parity: every CUDA op against its CPU op on random inputs, poisoned outputs"
+for t in "$here"/tests/*; do
+  name="$(basename "$t")"
+  planned="$("$t" --list --ignored 2>/dev/null | grep -c ': test$')"
+  if [ "$dry" -eq 1 ]; then
+    # The host-side tests (NVRTC compile check, argument checks) run; the
+    # device tests are listed.
+    if "$t" --test-threads=1 >"$out/$name.cpu.log" 2>&1; then
+      row "parity $name" "cpu ok" "$(grep -o '[0-9]* passed' "$out/$name.cpu.log" | tail -1); plan: $planned device tests"
+    else
+      fail "parity $name" "see $out/$name.cpu.log"
+    fi
+    "$t" --list --ignored 2>/dev/null | sed -n 's/: test$//p' | sed 's/^/   plan: /'
+  else
+    if "$t" --include-ignored --test-threads=1 2>&1 | tee "$out/$name.log"; then
+      row "parity $name" "ok" "$(grep -o '[0-9]* passed' "$out/$name.log" | tail -1)"
+    else
+      fail "parity $name" "see $out/$name.log"
+    fi
+  fi
+done
+
+step "2. tiny random models of every architecture: cuda against cpu (logits at bf16 tolerance, greedy tokens)"
+for m in tiny-llama tiny-gemma tiny-gemma2 tiny-gemma3; do
+  cpu="$out/$m.cpu.jsonl"
+  if "$te" generate --model "random:$m" --prompt "The GPU check" --prompt "ab" \
+      --max-new-tokens 16 --ignore-eos --json -t "$threads" >"$cpu" 2>"$out/$m.cpu.err"; then
+    row "$m cpu" "ok" "$(wc -l <"$cpu") prompts x 16 tokens"
+  else
+    fail "$m cpu" "see $out/$m.cpu.err"
+    continue
+  fi
+  if [ "$dry" -eq 1 ]; then
+    echo "   plan: te generate --device cuda --model random:$m (same prompts), tokens equal to $cpu"
+  elif [ "$has_cuda_model" -eq 1 ]; then
+    gpu="$out/$m.cuda.jsonl"
+    if "$te" generate --device cuda --model "random:$m" --prompt "The GPU check" --prompt "ab" \
+        --max-new-tokens 16 --ignore-eos --json >"$gpu" 2>"$out/$m.cuda.err" && cmp -s "$cpu" "$gpu"; then
+      row "$m cuda vs cpu" "ok" "greedy tokens equal"
+    else
+      fail "$m cuda vs cpu" "see $gpu"
+    fi
+  else
+    row "$m cuda vs cpu" "-" "$not_built"
+  fi
+done
+
+step "3. tutorial workload: random Gemma-7B, bf16, batch 64, 20 prompt + 492 generated tokens"
+if "$te" inspect --model random:gemma-7b >"$out/gemma-7b.inspect.txt" 2>&1; then
+  row "gemma-7b config" "ok" "$(sed -n 's/^parameters: *//p' "$out/gemma-7b.inspect.txt") parameters, bf16"
+else
+  fail "gemma-7b config" "see $out/gemma-7b.inspect.txt"
+fi
+workload=(--batched --npp 20 --ntg 492 --npl 64 -o jsonl)
+if [ "$dry" -eq 1 ]; then
+  # The same shapes through the same engine, on a tiny model, on the CPU.
+  if "$te" bench --model random:tiny-gemma "${workload[@]}" -t "$threads" >"$out/workload.tiny-gemma.cpu.jsonl" 2>"$out/workload.cpu.err"; then
+    row "workload shape, tiny-gemma cpu" "ok" "$(python3 -c 'import json,sys; r=json.loads(open(sys.argv[1]).readline()); print("%.2f s, %.0f tok/s" % (r["t"], r["speed"]))' "$out/workload.tiny-gemma.cpu.jsonl" 2>/dev/null)"
+  else
+    fail "workload shape, tiny-gemma cpu" "see $out/workload.cpu.err"
+  fi
+  echo "   plan: te bench --device cuda --model random:gemma-7b ${workload[*]}, then again with --cuda-graphs"
+elif [ "$has_cuda_model" -eq 1 ]; then
+  for graphs in "" --cuda-graphs; do
+    label="te gemma-7b${graphs:+ $graphs}"
+    if "$te" bench --device cuda $graphs --model random:gemma-7b "${workload[@]}" >"$out/workload$graphs.jsonl" 2>&1; then
+      row "$label" "ok" "$(python3 -c 'import json,sys; print("%.2f s" % json.loads(open(sys.argv[1]).readline())["t"])' "$out/workload$graphs.jsonl")"
+    else
+      fail "$label" "see $out/workload$graphs.jsonl"
+    fi
+  done
+else
+  row "te gemma-7b" "-" "$not_built"
+  row "te gemma-7b --cuda-graphs" "-" "$not_built"
+fi
+
+step "4. Hugging Face baseline: GemmaForCausalLM, random init from the same config, bf16, static KV cache"
+baseline=(python3 "$here/hf_baseline.py" --config "$here/gemma-7b.config.json" --batch 64 --prompt-len 20 --new-tokens 492 --decode-batches 1,8,64)
+if [ "$dry" -eq 1 ]; then
+  if python3 -m py_compile "$here/hf_baseline.py" && "${baseline[@]}" --dry-run; then
+    row "hf_baseline.py" "parses" "plan printed"
+  else
+    fail "hf_baseline.py" "does not parse or plan"
+  fi
+elif "${baseline[@]}" --out "$out/hf_baseline.json" 2>&1 | tee "$out/hf_baseline.log"; then
+  row "hf gemma-7b" "ok" "$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print("%.2f s; decode tok/s %s" % (r["workload_s"], r["decode_tokens_per_s"]))' "$out/hf_baseline.json")"
+else
+  fail "hf gemma-7b" "see $out/hf_baseline.log"
+fi
+
+step "5. decode tokens/s at batch 1, 8, 64; kernel bandwidth against a device-to-device copy"
+if [ "$dry" -eq 1 ]; then
+  if "$te" bench --model random:tiny-gemma --batched --npp 20 --ntg 32 --npl 1,8,64 -o jsonl -t "$threads" >"$out/decode.tiny-gemma.cpu.jsonl" 2>"$out/decode.cpu.err"; then
+    row "decode tiny-gemma cpu" "ok" "$(python3 -c 'import json,sys; print(", ".join("b%d %.0f tok/s" % (r["pl"], r["speed_tg"]) for r in map(json.loads, open(sys.argv[1]))))' "$out/decode.tiny-gemma.cpu.jsonl" 2>/dev/null)"
+  else
+    fail "decode tiny-gemma cpu" "see $out/decode.cpu.err"
+  fi
+  echo "   plan: te bench --device cuda --model random:gemma-7b --batched --npp 20 --ntg 128 --npl 1,8,64"
+  echo "   plan: each kernel's bytes moved / time, against cudaMemcpy device-to-device of the same bytes"
+elif [ "$has_cuda_model" -eq 1 ]; then
+  "$te" bench --device cuda --model random:gemma-7b --batched --npp 20 --ntg 128 --npl 1,8,64 -o jsonl >"$out/decode.jsonl" 2>&1 \
+    && row "te decode gemma-7b" "ok" "$(python3 -c 'import json,sys; print(", ".join("b%d %.0f tok/s" % (r["pl"], r["speed_tg"]) for r in map(json.loads, open(sys.argv[1]))))' "$out/decode.jsonl")" \
+    || fail "te decode gemma-7b" "see $out/decode.jsonl"
+else
+  row "te decode b1/b8/b64" "-" "$not_built"
+fi
+row "kernel bandwidth vs d2d copy" "-" "not built yet (no device bandwidth benchmark in the bundle)"
+
+step "6. summary"
+printf '%-34s %-8s %s\n' "check" "status" "result"
+for r in "${rows[@]}"; do
+  IFS='|' read -r what st res <<<"$r"
+  printf '%-34s %-8s %s\n' "$what" "$st" "$res"
+done | tee "$out/summary.txt"
+exit $status
