@@ -205,7 +205,7 @@ impl ContextParallel {
     /// stores.
     fn stored_by(&self, p: &Placed, r: usize) -> Vec<Range<usize>> {
         match p.owner {
-            Some(o) if o == r => vec![0..1],
+            Some(o) if o == r => std::iter::once(0..1).collect(),
             Some(_) => Vec::new(),
             None => self.computed_by(p, r),
         }
@@ -214,7 +214,7 @@ impl ContextParallel {
     /// Offsets of `p`'s tokens that rank `r` computes.
     fn computed_by(&self, p: &Placed, r: usize) -> Vec<Range<usize>> {
         match p.owner {
-            Some(_) => vec![0..1],
+            Some(_) => std::iter::once(0..1).collect(),
             None => self
                 .zigzag
                 .chunks(p.n, r)

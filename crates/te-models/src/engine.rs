@@ -530,10 +530,12 @@ impl<'a> Engine<'a> {
                 what: "model's context",
             });
         }
-        if n >= self.kv_capacity_tokens {
+        // Context parallelism: the ranks' pools together.
+        let limit = self.kv_capacity_tokens * self.cp.as_ref().map_or(1, |cp| cp.cp_size());
+        if n >= limit {
             return Err(RequestError::TooLong {
                 tokens: n,
-                limit: self.kv_capacity_tokens,
+                limit,
                 what: "KV cache (--kv-cache-tokens)",
             });
         }
