@@ -17,7 +17,7 @@
 //! all-gather the step's sharded query rows, each attends every query of
 //! the step to the keys it holds (its cache, this step's keys included) at
 //! their true positions ([`te_attention::Positions`]: causal mask and
-//! sliding window by position), and [`all_merge`] combines the partial
+//! sliding window by position), and [`all_merge()`] combines the partial
 //! outputs by log-sum-exp, in rank order, on every rank. Earlier chunks'
 //! keys are attended where they are held, so chunked prefill and decode
 //! are the same step; the KV cache never moves. The last position of each
