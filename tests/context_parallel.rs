@@ -339,3 +339,62 @@ fn a_rank_that_fails_mid_run_stops_the_others_naming_it() {
         }
     }
 }
+
+/// Ranks given different prompts fail at the first step, every one of
+/// them, saying that the ranks disagree.
+#[test]
+fn ranks_with_different_prompts_fail_at_the_first_step() {
+    let loaded = load("smollm2-135m");
+    let results: Vec<Result<usize, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = ThreadComm::ring(2)
+            .unwrap()
+            .into_iter()
+            .map(|comm| {
+                let loaded = &loaded;
+                s.spawn(move || {
+                    let rank = comm.cp_rank();
+                    let cp = ContextParallel::new(Box::new(comm)).unwrap();
+                    let mut engine = Engine::with_context_parallel(
+                        &loaded.model,
+                        None,
+                        EngineConfig::default(),
+                        cp,
+                    )
+                    .map_err(|e| e.to_string())?;
+                    let prompt = loaded
+                        .tokenizer
+                        .encode(
+                            if rank == 0 {
+                                "Hello there"
+                            } else {
+                                "Goodbye now"
+                            },
+                            true,
+                        )
+                        .unwrap();
+                    engine.add_request(Request::new(prompt, 8)).unwrap();
+                    let mut steps = 0;
+                    while engine.has_work() {
+                        engine.step().map_err(|e| e.to_string())?;
+                        steps += 1;
+                    }
+                    Ok(steps)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, result) in results.iter().enumerate() {
+        let err = result.as_ref().expect_err("the ranks disagree");
+        assert!(
+            err.contains("other settings") || err.contains("failed"),
+            "rank {r}: {err}"
+        );
+    }
+    assert!(
+        results
+            .iter()
+            .any(|r| r.as_ref().unwrap_err().contains("generation step")),
+        "{results:?}"
+    );
+}

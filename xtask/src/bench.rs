@@ -1,12 +1,20 @@
-//! `cargo xtask bench [kernels|attention|models|engine|serve]`: CPU kernel,
-//! attention, model throughput, engine (prefix reuse) and `te serve`
-//! (concurrent streaming clients on loopback), printed as markdown tables
+//! `cargo xtask bench [kernels|attention|models|engine|serve|context-parallel]`:
+//! CPU kernel, attention, model throughput, engine (prefix reuse), `te
+//! serve` (concurrent streaming clients on loopback) and context-parallel
+//! prefill (8192 tokens at 1, 2, 4 ranks), printed as markdown tables
 //! for docs/benchmarks.md. With no argument every section runs.
 //! `--vs-llama-cpp` runs the same-run comparison with llama.cpp instead
 //! (`bench_peers`).
 
 /// The sections, in the order they print.
-const SECTIONS: [&str; 5] = ["kernels", "attention", "models", "engine", "serve"];
+const SECTIONS: [&str; 6] = [
+    "kernels",
+    "attention",
+    "models",
+    "engine",
+    "serve",
+    "context-parallel",
+];
 
 pub fn run(args: &[String]) -> anyhow::Result<()> {
     if args.iter().any(|a| a == "--vs-llama-cpp") {
@@ -66,6 +74,17 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             "| clients | requests | requests/s | generated tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |\n|---|---|---|---|---|---|---|---|"
         );
         for row in crate::bench_serve::run("smollm2-135m")? {
+            println!("{row}");
+        }
+        println!();
+    }
+    if wanted("context-parallel") {
+        crate::fetch_models::run(&[])?;
+        println!("## Context-parallel prefill (gemma3-270m, one 8192-token prompt)\n");
+        println!(
+            "| ranks | transport | prompt tokens | wall s | prefill tok/s | KV tokens per rank | KV MiB per rank |\n|---|---|---|---|---|---|---|"
+        );
+        for row in crate::bench_context_parallel::run()? {
             println!("{row}");
         }
     }

@@ -12,7 +12,7 @@
 //! `cargo xtask peers` (built on first use); `te` is built here. Not part
 //! of CI.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context};
@@ -56,7 +56,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         bail!("/usr/bin/time is missing (the memory comparison needs it): apt-get install -y time");
     }
     let llama = crate::peers::ensure_llama_cpp()?;
-    let te = build_te()?;
+    let te = crate::build_te(&[])?;
     crate::fetch_models::run(&[])?;
     let t = threads.to_string();
     println!("## te-rs and llama.cpp, same run\n");
@@ -238,23 +238,6 @@ fn alternate<A, B>(
         let a = llama()?;
         Ok((a, te()?))
     }
-}
-
-/// Builds the `te` binary (release) and returns its path.
-fn build_te() -> anyhow::Result<PathBuf> {
-    let root = crate::workspace_root();
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = Command::new(cargo)
-        .current_dir(&root)
-        .args(["build", "--release", "-p", "te-cli"])
-        .status()
-        .context("running cargo build")?;
-    if !status.success() {
-        bail!("cargo build --release -p te-cli failed");
-    }
-    let target =
-        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
-    Ok(target.join("release").join("te"))
 }
 
 /// Stdout of `cmd`; on failure, an error with the end of its stderr.

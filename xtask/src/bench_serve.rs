@@ -22,7 +22,7 @@ const NEW_TOKENS: usize = 32;
 /// Markdown rows: `| clients | requests | requests/s | generated tok/s |
 /// TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |`.
 pub fn run(model: &str) -> anyhow::Result<Vec<String>> {
-    let te = build_te()?;
+    let te = crate::build_te(&[])?;
     let mut server = Server::start(&te, model)?;
     // Warm up (first-touch of the KV pool and the workspace).
     request(&server.addr, model, "Warm-up request:")?;
@@ -83,23 +83,6 @@ pub fn run(model: &str) -> anyhow::Result<Vec<String>> {
     }
     server.stop();
     Ok(rows)
-}
-
-/// Builds `te` (release) and returns its path.
-fn build_te() -> anyhow::Result<std::path::PathBuf> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = Command::new(cargo)
-        .current_dir(crate::workspace_root())
-        .args(["build", "--release", "-p", "te-cli"])
-        .status()
-        .context("running cargo build")?;
-    if !status.success() {
-        bail!("cargo build --release -p te-cli failed");
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| crate::workspace_root().join("target"));
-    Ok(target.join("release/te"))
 }
 
 struct Server {

@@ -3,6 +3,7 @@
 
 mod bench;
 mod bench_attention;
+mod bench_context_parallel;
 mod bench_engine;
 mod bench_kernels;
 mod bench_models;
@@ -54,4 +55,25 @@ pub fn workspace_root() -> std::path::PathBuf {
         .parent()
         .expect("xtask lives one level below the workspace root")
         .to_path_buf()
+}
+
+/// Builds the `te` binary (release, with cargo `features` of te-cli) and
+/// returns its path.
+pub fn build_te(features: &[&str]) -> anyhow::Result<std::path::PathBuf> {
+    use anyhow::Context;
+    let root = workspace_root();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut cmd = std::process::Command::new(cargo);
+    cmd.current_dir(&root)
+        .args(["build", "--release", "-p", "te-cli"]);
+    if !features.is_empty() {
+        cmd.args(["--features", &features.join(",")]);
+    }
+    let status = cmd.status().context("running cargo build")?;
+    if !status.success() {
+        anyhow::bail!("cargo build --release -p te-cli failed");
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| root.join("target"), std::path::PathBuf::from);
+    Ok(target.join("release").join("te"))
 }

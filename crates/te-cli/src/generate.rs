@@ -312,7 +312,7 @@ impl Job<'_> {
         }
         let wall_s = start.elapsed().as_secs_f64();
         // A collective: every rank takes part.
-        let kv_per_rank = engine.kv_tokens_per_rank()?;
+        let kv_per_rank = engine.kv_per_rank()?;
         let Some(mut stdout) = stdout else {
             return Ok(());
         };
@@ -352,11 +352,15 @@ impl Job<'_> {
                 "wall_s": wall_s,
                 "kv_capacity_tokens": engine.kv_capacity_tokens(),
                 "peak_kv_tokens": s.peak_kv_tokens,
+                "peak_kv_bytes": s.peak_kv_bytes,
                 "preemptions": s.preemptions,
             });
             if let Some(per_rank) = kv_per_rank {
+                let tokens: Vec<usize> = per_rank.iter().map(|r| r.tokens).collect();
+                let bytes: Vec<usize> = per_rank.iter().map(|r| r.bytes).collect();
                 line["context_parallel"] = serde_json::json!(per_rank.len());
-                line["kv_tokens_per_rank"] = serde_json::json!(per_rank);
+                line["kv_tokens_per_rank"] = serde_json::json!(tokens);
+                line["kv_bytes_per_rank"] = serde_json::json!(bytes);
             }
             crate::note(format_args!("{line}"));
         }

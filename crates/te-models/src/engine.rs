@@ -251,6 +251,17 @@ pub struct EngineStats {
     pub preemptions: usize,
     /// Context parallelism: most tokens whose K/V this rank held at once.
     pub peak_rank_kv_tokens: usize,
+    /// Most bytes of KV pages in use at once, every layer's pool together.
+    pub peak_kv_bytes: usize,
+}
+
+/// One rank's KV peaks ([`Engine::kv_per_rank`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankKv {
+    /// [`EngineStats::peak_rank_kv_tokens`].
+    pub tokens: usize,
+    /// [`EngineStats::peak_kv_bytes`].
+    pub bytes: usize,
 }
 
 /// The engine's gauges and counters at one moment ([`Engine::snapshot`],
@@ -415,21 +426,26 @@ impl<'a> Engine<'a> {
         self.cp.as_ref()
     }
 
-    /// Context parallelism: every rank's [`EngineStats::peak_rank_kv_tokens`]
-    /// in rank order (a collective: every rank calls it). `None` on a
-    /// single rank.
+    /// Context parallelism: every rank's KV peaks, in rank order (a
+    /// collective: every rank calls it). `None` on a single rank.
     ///
     /// Errors: a failed rank.
-    pub fn kv_tokens_per_rank(&mut self) -> Result<Option<Vec<usize>>> {
-        let peak = self.stats.peak_rank_kv_tokens as u64;
+    pub fn kv_per_rank(&mut self) -> Result<Option<Vec<RankKv>>> {
+        let mine = [
+            self.stats.peak_rank_kv_tokens as u64,
+            self.stats.peak_kv_bytes as u64,
+        ];
         let Some(cp) = self.cp.as_mut() else {
             return Ok(None);
         };
-        let all = te_ring::all_gather(cp.comm(), "kv tokens per rank", &[], &[peak])
+        let all = te_ring::all_gather(cp.comm(), "kv per rank", &[], &mine)
             .map_err(|e| ModelError::Request(format!("context parallelism: {e}")))?;
         Ok(Some(
             all.iter()
-                .map(|v| v.first().copied().unwrap_or(0) as usize)
+                .map(|v| RankKv {
+                    tokens: v.first().copied().unwrap_or(0) as usize,
+                    bytes: v.get(1).copied().unwrap_or(0) as usize,
+                })
                 .collect(),
         ))
     }
@@ -734,6 +750,7 @@ impl<'a> Engine<'a> {
             self.stats.decode_s += elapsed;
         }
         self.stats.peak_kv_tokens = self.stats.peak_kv_tokens.max(self.kv_tokens_in_use());
+        self.stats.peak_kv_bytes = self.stats.peak_kv_bytes.max(self.cache.memory_in_use());
         if let Some(cp) = &self.cp {
             self.stats.peak_rank_kv_tokens = self.stats.peak_rank_kv_tokens.max(cp.held_tokens());
         }
