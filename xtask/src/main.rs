@@ -5,6 +5,7 @@ mod bench;
 mod bench_attention;
 mod bench_engine;
 mod bench_kernels;
+mod bench_matmul;
 mod bench_models;
 mod bench_peers;
 mod bench_serve;

@@ -235,11 +235,17 @@ pub fn dequantize(
 /// block layout): `data.len() / block_bytes == out.len() / block_len`, `ty`
 /// one of [`GgmlType::can_dequantize`]. Used for one weight row at a time.
 ///
-/// On x86_64 CPUs with AVX2 and F16C, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and
-/// Q6_K run vectorized; the values are bit-identical to the scalar decoders
-/// (same f32 operations in the same order, no fused multiply-add).
+/// On x86_64 CPUs with AVX-512F, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K run
+/// with 16-lane decoders; with AVX2 and F16C, those and Q5_1 run with
+/// 8-lane ones. The values are bit-identical to the scalar decoders (same
+/// f32 operations in the same order, no fused multiply-add).
 #[inline]
 pub fn dequantize_blocks(ty: GgmlType, data: &[u8], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available(ty) {
+        // SAFETY: `available` checked that the CPU has AVX-512F, AVX2 and F16C.
+        return unsafe { avx512::dequantize_blocks(ty, data, out) };
+    }
     #[cfg(target_arch = "x86_64")]
     if avx2::available(ty) {
         // SAFETY: `available` checked that the CPU has AVX2 and F16C.
@@ -807,6 +813,205 @@ pub(crate) mod avx2 {
     }
 }
 
+/// AVX-512 decoders of whole rows, 16 values per register, bit-identical to
+/// the scalar ones: quants widened to i32 and converted to f32 exactly,
+/// then the scalar decoder's multiply and add or subtract (not fused).
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{k4_scale_min, GgmlType};
+
+    /// Whether `ty` has a decoder here and the CPU can run it.
+    pub(crate) fn available(ty: GgmlType) -> bool {
+        use GgmlType::*;
+        matches!(ty, Q4_0 | Q4_1 | Q5_0 | Q8_0 | Q4_K | Q6_K)
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("f16c")
+    }
+
+    /// [`super::dequantize_blocks`] for a type with [`available`].
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F, AVX2 and F16C; `ty` one of
+    /// [`available`]'s types (others panic).
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    pub(crate) unsafe fn dequantize_blocks(ty: GgmlType, data: &[u8], out: &mut [f32]) {
+        macro_rules! each_block {
+            ($decode:ident, $block_bytes:literal, $block_len:literal) => {
+                for (b, o) in data
+                    .chunks_exact($block_bytes)
+                    .zip(out.chunks_exact_mut($block_len))
+                {
+                    $decode(
+                        b.try_into().expect("block"),
+                        o.try_into().expect("outputs"),
+                    )
+                }
+            };
+        }
+        match ty {
+            GgmlType::Q4_0 => each_block!(q4_0, 18, 32),
+            GgmlType::Q4_1 => each_block!(q4_1, 20, 32),
+            GgmlType::Q5_0 => each_block!(q5_0, 22, 32),
+            GgmlType::Q8_0 => each_block!(q8_0, 34, 32),
+            GgmlType::Q4_K => each_block!(q4_k, 144, 256),
+            GgmlType::Q6_K => each_block!(q6_k, 210, 256),
+            _ => unreachable!("avx512::dequantize_blocks: {ty:?} has no decoder"),
+        }
+    }
+
+    /// The little-endian f16 at byte `at`, as f32 (exact).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    fn f16_at(b: &[u8], at: usize) -> f32 {
+        let bits = u16::from_le_bytes([b[at], b[at + 1]]);
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+
+    /// The 16 bytes at `b[at..]`, zero-extended to 16 i32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    fn u8x16(b: &[u8], at: usize) -> __m512i {
+        let b: &[u8; 16] = b[at..at + 16].try_into().expect("16 bytes");
+        // SAFETY: reads the 16 bytes of `b` (no alignment needed).
+        _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(b.as_ptr().cast()) })
+    }
+
+    /// The 16 bytes at `b[at..]`, sign-extended to 16 i32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    fn i8x16(b: &[u8], at: usize) -> __m512i {
+        let b: &[u8; 16] = b[at..at + 16].try_into().expect("16 bytes");
+        // SAFETY: reads the 16 bytes of `b` (no alignment needed).
+        _mm512_cvtepi8_epi32(unsafe { _mm_loadu_si128(b.as_ptr().cast()) })
+    }
+
+    /// `o[at..at + 16] = v`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    fn store(o: &mut [f32], at: usize, v: __m512) {
+        let o: &mut [f32; 16] = (&mut o[at..at + 16]).try_into().expect("16 outputs");
+        // SAFETY: writes the 16 floats of `o`.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) }
+    }
+
+    /// `d·q` (one multiply per value).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    fn scale(q: __m512i, d: f32) -> __m512 {
+        _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(q))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    fn q4_0(b: &[u8; 18], o: &mut [f32; 32]) {
+        let d = f16_at(b, 0);
+        let q = u8x16(b, 2);
+        let eight = _mm512_set1_epi32(8);
+        let lo = _mm512_sub_epi32(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)), eight);
+        let hi = _mm512_sub_epi32(_mm512_srli_epi32::<4>(q), eight);
+        store(o, 0, scale(lo, d));
+        store(o, 16, scale(hi, d));
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    fn q4_1(b: &[u8; 20], o: &mut [f32; 32]) {
+        let (d, m) = (_mm512_set1_ps(f16_at(b, 0)), _mm512_set1_ps(f16_at(b, 2)));
+        let q = u8x16(b, 4);
+        let lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)));
+        let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(q));
+        store(o, 0, _mm512_add_ps(_mm512_mul_ps(d, lo), m));
+        store(o, 16, _mm512_add_ps(_mm512_mul_ps(d, hi), m));
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    fn q5_0(b: &[u8; 22], o: &mut [f32; 32]) {
+        let d = f16_at(b, 0);
+        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        let q = u8x16(b, 6);
+        // Element i's 5th bit is bit i of qh: lanes whose bit is set get 16.
+        let sixteen = _mm512_set1_epi32(16);
+        let lo = _mm512_or_si512(
+            _mm512_and_si512(q, _mm512_set1_epi32(0x0F)),
+            _mm512_maskz_mov_epi32(qh as u16, sixteen),
+        );
+        let hi = _mm512_or_si512(
+            _mm512_srli_epi32::<4>(q),
+            _mm512_maskz_mov_epi32((qh >> 16) as u16, sixteen),
+        );
+        store(o, 0, scale(_mm512_sub_epi32(lo, sixteen), d));
+        store(o, 16, scale(_mm512_sub_epi32(hi, sixteen), d));
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    fn q8_0(b: &[u8; 34], o: &mut [f32; 32]) {
+        let d = f16_at(b, 0);
+        store(o, 0, scale(i8x16(b, 2), d));
+        store(o, 16, scale(i8x16(b, 18), d));
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    fn q4_k(b: &[u8; 144], o: &mut [f32; 256]) {
+        let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+        let sc = &b[4..16];
+        let mask = _mm512_set1_epi32(0x0F);
+        // Sub-blocks 2c (low nibbles) and 2c + 1 (high nibbles) share qs[32c..32c + 32].
+        for c in 0..4 {
+            let (s_lo, m_lo) = k4_scale_min(sc, 2 * c);
+            let (s_hi, m_hi) = k4_scale_min(sc, 2 * c + 1);
+            let (ds_lo, dm_lo) = (_mm512_set1_ps(d * s_lo), _mm512_set1_ps(dmin * m_lo));
+            let (ds_hi, dm_hi) = (_mm512_set1_ps(d * s_hi), _mm512_set1_ps(dmin * m_hi));
+            for half in 0..2 {
+                let q = u8x16(b, 16 + 32 * c + 16 * half);
+                let lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, mask));
+                let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(q));
+                let e = 64 * c + 16 * half;
+                store(o, e, _mm512_sub_ps(_mm512_mul_ps(ds_lo, lo), dm_lo));
+                store(o, e + 32, _mm512_sub_ps(_mm512_mul_ps(ds_hi, hi), dm_hi));
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    fn q6_k(b: &[u8; 210], o: &mut [f32; 256]) {
+        let scales = &b[192..208];
+        let d = f16_at(b, 208);
+        let (mask4, mask2) = (_mm512_set1_epi32(0x0F), _mm512_set1_epi32(3));
+        let thirty_two = _mm512_set1_epi32(32);
+        // Element e = 128·h + 32·r + l; 16 of them (l0 .. l0 + 16) at a time.
+        for h in 0..2 {
+            for l0 in [0, 16] {
+                let high = u8x16(b, 128 + 32 * h + l0);
+                for r in 0..4 {
+                    let low = u8x16(b, 64 * h + 32 * (r % 2) + l0);
+                    let low = _mm512_and_si512(
+                        _mm512_srlv_epi32(low, _mm512_set1_epi32(4 * (r / 2) as i32)),
+                        mask4,
+                    );
+                    let hi2 = _mm512_and_si512(
+                        _mm512_srlv_epi32(high, _mm512_set1_epi32(2 * r as i32)),
+                        mask2,
+                    );
+                    let q = _mm512_sub_epi32(
+                        _mm512_or_si512(low, _mm512_slli_epi32::<4>(hi2)),
+                        thirty_two,
+                    );
+                    let e = 128 * h + 32 * r + l0;
+                    let ds = d * (scales[e / 16] as i8) as f32;
+                    store(o, e, scale(q, ds));
+                }
+            }
+        }
+    }
+}
+
 #[cfg(all(test, target_arch = "x86_64"))]
 pub(crate) mod tests {
     use half::f16;
@@ -871,6 +1076,14 @@ pub(crate) mod tests {
                 unsafe { avx2::dequantize_blocks(ty, &data, &mut got) };
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     prop_assert_eq!(g.to_bits(), w.to_bits(), "{:?} element {}: {} vs {}", ty, i, g, w);
+                }
+                if avx512::available(ty) {
+                    got.fill(f32::NAN);
+                    // SAFETY: `available` checked AVX-512F, AVX2 and F16C.
+                    unsafe { avx512::dequantize_blocks(ty, &data, &mut got) };
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        prop_assert_eq!(g.to_bits(), w.to_bits(), "AVX-512 {:?} element {}: {} vs {}", ty, i, g, w);
+                    }
                 }
             }
         }
