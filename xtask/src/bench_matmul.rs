@@ -99,7 +99,15 @@ pub fn decode_rows() -> anyhow::Result<Vec<String>> {
         let n = (64 << 20) / row_bytes / 256 * 256;
         let data = weights(ty, f16_at, n, k);
         let size = data.len();
-        let lin = Linear::new("bench", WeightData::Quantized { ty, data }, n, k)?;
+        let lin = Linear::new(
+            "bench",
+            WeightData::Quantized {
+                ty,
+                data: data.into(),
+            },
+            n,
+            k,
+        )?;
         let x: Vec<f32> = (0..k).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
         let mut y = vec![0f32; n];
         let mut scratch = Vec::new();
@@ -128,7 +136,15 @@ pub fn prefill_rows() -> anyhow::Result<Vec<String>> {
     for (ty, f16_at) in TYPES {
         let data = weights(ty, f16_at, n, k);
         let mut wf = vec![0f32; 256 * k];
-        let lin = Linear::new("bench", WeightData::Quantized { ty, data }, n, k)?;
+        let lin = Linear::new(
+            "bench",
+            WeightData::Quantized {
+                ty,
+                data: data.into(),
+            },
+            n,
+            k,
+        )?;
         for t in [32usize, 128, 512] {
             let x: Vec<f32> = (0..t * k).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
             let mut y = vec![0f32; t * n];

@@ -49,7 +49,8 @@ pub(crate) enum Weights<'a> {
 /// The instruction set a product runs with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Isa {
-    /// AVX-512F (16-lane registers, masked tail loads).
+    /// AVX-512F with AVX2, F16C and FMA (16-lane registers, masked tail
+    /// loads; quantized weights decoded in registers for few token rows).
     Avx512,
     /// AVX2 + FMA (the 16 lanes as two 8-lane halves).
     Avx2,
@@ -64,7 +65,11 @@ impl Isa {
         *ISA.get_or_init(|| {
             #[cfg(target_arch = "x86_64")]
             {
-                if std::arch::is_x86_feature_detected!("avx512f") {
+                if std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("f16c")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
                     return Isa::Avx512;
                 }
                 if std::arch::is_x86_feature_detected!("avx2")
@@ -88,7 +93,11 @@ impl Isa {
             {
                 v.push(Isa::Avx2);
             }
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("f16c")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
                 v.push(Isa::Avx512);
             }
         }
@@ -109,6 +118,81 @@ const TASKS_PER_THREAD: usize = 4;
 /// Panel rows for row length `k`: a multiple of [`MR`], at least `MR`.
 fn panel_rows(k: usize) -> usize {
     (PANEL_BYTES / (4 * k.max(1)) / MR * MR).max(MR)
+}
+
+/// Up to this many token rows (one AVX-512 register tile), quantized
+/// weights are decoded in registers instead of into a panel.
+#[cfg(target_arch = "x86_64")]
+const FUSED_MAX_ROWS: usize = 6;
+
+/// Whether `ty` has an AVX-512 group decoder for the fused kernels.
+#[cfg(target_arch = "x86_64")]
+fn fused_type(ty: GgmlType) -> bool {
+    use GgmlType::*;
+    matches!(ty, Q4_0 | Q4_1 | Q5_0 | Q8_0 | Q4_K | Q6_K)
+}
+
+/// `yt[j, i] = x_i · w_j` for `rows` weight rows of GGUF blocks (`data`,
+/// `row_bytes` per row) and every row of `x: [t, k]` (`t <=`
+/// [`FUSED_MAX_ROWS`]), decoded in registers; `yt: [rows, t]`. Needs
+/// AVX-512 and a type of [`fused_type`].
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn fused_product(
+    ty: GgmlType,
+    x: &[f32],
+    t: usize,
+    k: usize,
+    data: &[u8],
+    row_bytes: usize,
+    rows: usize,
+    yt: &mut [f32],
+) {
+    debug_assert!(t <= FUSED_MAX_ROWS && x.len() == t * k);
+    for m0 in (0..rows).step_by(MR) {
+        let mr = MR.min(rows - m0);
+        // Rows past the edge repeat the first one (computed, never stored).
+        let wr: [&[u8]; MR] = std::array::from_fn(|m| {
+            let j = m0 + if m < mr { m } else { 0 };
+            &data[j * row_bytes..(j + 1) * row_bytes]
+        });
+        let mut out = [[0.0f32; 6]; MR];
+        macro_rules! go {
+            ($nr:literal) => {{
+                let xp: [*const f32; $nr] = std::array::from_fn(|r| x[r * k..].as_ptr());
+                // SAFETY: the caller checked AVX-512 (Isa::Avx512, whose
+                // detection includes AVX2, F16C and FMA via avx512f) and
+                // `ty`; each x pointer starts a row of k floats, each w row
+                // holds k weights of `ty`.
+                let o = unsafe {
+                    match ty {
+                        GgmlType::Q4_0 => avx512::fused_q4_0::<$nr>(&xp, &wr, k),
+                        GgmlType::Q4_1 => avx512::fused_q4_1::<$nr>(&xp, &wr, k),
+                        GgmlType::Q5_0 => avx512::fused_q5_0::<$nr>(&xp, &wr, k),
+                        GgmlType::Q8_0 => avx512::fused_q8_0::<$nr>(&xp, &wr, k),
+                        GgmlType::Q4_K => avx512::fused_q4_k::<$nr>(&xp, &wr, k),
+                        GgmlType::Q6_K => avx512::fused_q6_k::<$nr>(&xp, &wr, k),
+                        _ => unreachable!("fused_type"),
+                    }
+                };
+                for m in 0..MR {
+                    out[m][..$nr].copy_from_slice(&o[m]);
+                }
+            }};
+        }
+        match t {
+            1 => go!(1),
+            2 => go!(2),
+            3 => go!(3),
+            4 => go!(4),
+            5 => go!(5),
+            6 => go!(6),
+            _ => unreachable!("at most FUSED_MAX_ROWS token rows"),
+        }
+        for (m, o) in out.iter().enumerate().take(mr) {
+            yt[(m0 + m) * t..(m0 + m + 1) * t].copy_from_slice(&o[..t]);
+        }
+    }
 }
 
 /// `y = x · wᵀ` (see the module doc for the exact arithmetic): `x: [t, k]`,
@@ -163,6 +247,11 @@ pub(crate) fn matmul_into_isa(
         scratch.resize(need, 0.0);
     }
     let (yt_buf, panels) = scratch[..need].split_at_mut(yt_len);
+    // Few token rows: decode in registers (AVX-512 group decoders).
+    #[cfg(target_arch = "x86_64")]
+    let fused = isa == Isa::Avx512
+        && t <= FUSED_MAX_ROWS
+        && matches!(w, Weights::Quantized { ty, .. } if fused_type(ty));
     let yt: &mut [f32] = if t > 1 { yt_buf } else { &mut *y };
     yt.par_chunks_mut(rows_per_task * t)
         .zip(panels.par_chunks_mut(panel_len))
@@ -170,6 +259,12 @@ pub(crate) fn matmul_into_isa(
         .for_each(|(ti, (yt, panel))| {
             let j0 = ti * rows_per_task;
             let rows = yt.len() / t;
+            #[cfg(target_arch = "x86_64")]
+            if let (true, Weights::Quantized { ty, data }) = (fused, w) {
+                let data = &data[j0 * row_bytes..(j0 + rows) * row_bytes];
+                fused_product(ty, x, t, k, data, row_bytes, rows, yt);
+                return;
+            }
             for p0 in (0..rows).step_by(prows) {
                 let pr = prows.min(rows - p0);
                 let (r0, r1) = (j0 + p0, j0 + p0 + pr);
@@ -219,8 +314,7 @@ fn panel_product(
             // Pointers to the tile's rows; rows past the edge repeat the
             // first one (computed, never stored).
             let xr: [usize; 6] = std::array::from_fn(|r| (i0 + if r < nr { r } else { 0 }) * k);
-            let wr: [usize; MR] =
-                std::array::from_fn(|m| (m0 + if m < mr { m } else { 0 }) * ldw);
+            let wr: [usize; MR] = std::array::from_fn(|m| (m0 + if m < mr { m } else { 0 }) * ldw);
             let mut out = [[0.0f32; 6]; MR];
             tile(isa, x, &xr[..nr], w, &wr, k, &mut out);
             for (m, o) in out.iter().enumerate().take(mr) {
@@ -250,8 +344,7 @@ fn tile(
         Isa::Avx512 => {
             macro_rules! go {
                 ($nr:literal) => {{
-                    let xp: [*const f32; $nr] =
-                        std::array::from_fn(|r| x[xr[r]..].as_ptr());
+                    let xp: [*const f32; $nr] = std::array::from_fn(|r| x[xr[r]..].as_ptr());
                     let wp: [*const f32; MR] = std::array::from_fn(|m| w[wr[m]..].as_ptr());
                     // SAFETY: the CPU has AVX-512F (Isa::detect / available);
                     // each pointer starts a row of k readable floats.
@@ -275,8 +368,7 @@ fn tile(
         Isa::Avx2 => {
             macro_rules! go {
                 ($nr:literal) => {{
-                    let xp: [*const f32; $nr] =
-                        std::array::from_fn(|r| x[xr[r]..].as_ptr());
+                    let xp: [*const f32; $nr] = std::array::from_fn(|r| x[xr[r]..].as_ptr());
                     let wp: [*const f32; MR] = std::array::from_fn(|m| w[wr[m]..].as_ptr());
                     // SAFETY: the CPU has AVX2 and FMA (Isa::detect /
                     // available); each pointer starts a row of k readable floats.
@@ -391,6 +483,64 @@ mod avx512 {
         }
         out
     }
+
+    /// A kernel like [`tile`] for weight rows in GGUF blocks, decoded in
+    /// registers 32 values at a time by `$decode` (`crate::quant::avx512`)
+    /// and multiplied in at once: the same values and the same lanes as
+    /// decoding a panel first, without storing it (decode, `t` small).
+    macro_rules! fused {
+        ($name:ident, $decode:path, $groups_per_block:literal) => {
+            /// # Safety
+            /// The CPU must support AVX-512F, AVX2, F16C and FMA; every `x`
+            /// pointer must start `k` readable floats; each `w` row holds
+            /// `k` weights of the decoder's type (`k` a multiple of 32).
+            #[target_feature(enable = "avx512f,avx2,f16c,fma")]
+            pub(super) unsafe fn $name<const NR: usize>(
+                x: &[*const f32; NR],
+                w: &[&[u8]; MR],
+                k: usize,
+            ) -> [[f32; NR]; MR] {
+                let mut acc = [[_mm512_setzero_ps(); NR]; MR];
+                // Block by block, each weight row's groups in order (so
+                // every accumulator still sees its columns in increasing
+                // order); the unrolled groups of one block share its
+                // scale decoding.
+                for blk in 0..k / (32 * $groups_per_block) {
+                    for m in 0..MR {
+                        for sub in 0..$groups_per_block {
+                            let g = $groups_per_block * blk + sub;
+                            let c = 32 * g;
+                            let [v0, v1] = $decode(w[m], g);
+                            for r in 0..NR {
+                                // SAFETY: c + 32 <= k for every row.
+                                let (x0, x1) = unsafe {
+                                    (
+                                        _mm512_loadu_ps(x[r].add(c)),
+                                        _mm512_loadu_ps(x[r].add(c + 16)),
+                                    )
+                                };
+                                acc[m][r] = _mm512_fmadd_ps(x0, v0, acc[m][r]);
+                                acc[m][r] = _mm512_fmadd_ps(x1, v1, acc[m][r]);
+                            }
+                        }
+                    }
+                }
+                let mut out = [[0.0f32; NR]; MR];
+                for m in 0..MR {
+                    for r in 0..NR {
+                        out[m][r] = reduce(acc[m][r]);
+                    }
+                }
+                out
+            }
+        };
+    }
+    fused!(fused_q4_0, crate::quant::avx512::q4_0, 1);
+    fused!(fused_q4_1, crate::quant::avx512::q4_1, 1);
+    fused!(fused_q5_0, crate::quant::avx512::q5_0, 1);
+    fused!(fused_q8_0, crate::quant::avx512::q8_0, 1);
+    fused!(fused_q4_k, crate::quant::avx512::q4_k, 8);
+    fused!(fused_q6_k, crate::quant::avx512::q6_k, 8);
 
     /// The lane tree: `s8 = lanes 0..8 + lanes 8..16`, then halves again.
     #[inline]
@@ -513,7 +663,13 @@ mod tests {
 
     /// `n` rows of `k` random weights of type `ty` (finite values: f16
     /// fields are random finite halves, subnormals and zeros included).
-    fn random_weights(ty: GgmlType, f16_at: &[usize], n: usize, k: usize, rng: &mut StdRng) -> Vec<u8> {
+    fn random_weights(
+        ty: GgmlType,
+        f16_at: &[usize],
+        n: usize,
+        k: usize,
+        rng: &mut StdRng,
+    ) -> Vec<u8> {
         let value = |rng: &mut StdRng| rng.gen_range(-2.0f32..2.0);
         match ty {
             GgmlType::F32 => (0..n * k).flat_map(|_| value(rng).to_le_bytes()).collect(),

@@ -8,6 +8,60 @@ use rayon::prelude::*;
 use crate::matmul::{self, Weights};
 use crate::quant::{dequantize_blocks, GgmlType};
 
+/// The bytes of a quantized weight: owned, or a range of a read-only file
+/// map shared with the [`crate::gguf::GgufFile`] it came from, read in
+/// place (GGUF weights are then resident once, in the page cache, as
+/// stored, instead of mapped and copied).
+#[derive(Clone)]
+pub struct WeightBytes(BytesRepr);
+
+#[derive(Clone)]
+enum BytesRepr {
+    Owned(Vec<u8>),
+    Mapped {
+        map: std::sync::Arc<memmap2::Mmap>,
+        range: std::ops::Range<usize>,
+    },
+}
+
+impl WeightBytes {
+    /// `map[range]`, kept alive with the map. Panics when `range` is not
+    /// inside the map.
+    pub fn mapped(map: std::sync::Arc<memmap2::Mmap>, range: std::ops::Range<usize>) -> Self {
+        assert!(
+            range.start <= range.end && range.end <= map.len(),
+            "WeightBytes: range outside the map"
+        );
+        WeightBytes(BytesRepr::Mapped { map, range })
+    }
+}
+
+impl From<Vec<u8>> for WeightBytes {
+    fn from(v: Vec<u8>) -> Self {
+        WeightBytes(BytesRepr::Owned(v))
+    }
+}
+
+impl std::ops::Deref for WeightBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match &self.0 {
+            BytesRepr::Owned(v) => v,
+            BytesRepr::Mapped { map, range } => &map[range.clone()],
+        }
+    }
+}
+
+impl std::fmt::Debug for WeightBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.0 {
+            BytesRepr::Owned(_) => "owned",
+            BytesRepr::Mapped { .. } => "mapped",
+        };
+        write!(f, "WeightBytes({} bytes, {kind})", self.len())
+    }
+}
+
 /// Storage of a `[rows, cols]` weight matrix.
 #[derive(Clone, Debug)]
 pub enum WeightData {
@@ -16,7 +70,7 @@ pub enum WeightData {
     /// GGUF blocks of type `ty`, `cols / block_len` blocks per row, kept as
     /// stored and dequantized one row at a time when used (the values are
     /// exactly those of a full dequantization).
-    Quantized { ty: GgmlType, data: Vec<u8> },
+    Quantized { ty: GgmlType, data: WeightBytes },
 }
 
 /// A linear layer: `y = x · Wᵀ (+ b)`.

@@ -831,33 +831,33 @@ pub(crate) mod avx512 {
             && is_x86_feature_detected!("f16c")
     }
 
-    /// [`super::dequantize_blocks`] for a type with [`available`].
+    /// [`super::dequantize_blocks`] for a type with [`available`]: each
+    /// group of 32 values from [`group`], stored.
     ///
     /// # Safety
     /// The CPU must support AVX-512F, AVX2 and F16C; `ty` one of
     /// [`available`]'s types (others panic).
     #[target_feature(enable = "avx512f,avx2,f16c")]
     pub(crate) unsafe fn dequantize_blocks(ty: GgmlType, data: &[u8], out: &mut [f32]) {
-        macro_rules! each_block {
-            ($decode:ident, $block_bytes:literal, $block_len:literal) => {
-                for (b, o) in data
-                    .chunks_exact($block_bytes)
-                    .zip(out.chunks_exact_mut($block_len))
-                {
-                    $decode(
-                        b.try_into().expect("block"),
-                        o.try_into().expect("outputs"),
-                    )
+        macro_rules! each_group {
+            ($decode:ident) => {
+                for (g, o) in out.chunks_exact_mut(32).enumerate() {
+                    let [lo, hi] = $decode(data, g);
+                    // SAFETY: writes the 32 floats of `o`.
+                    unsafe {
+                        _mm512_storeu_ps(o.as_mut_ptr(), lo);
+                        _mm512_storeu_ps(o.as_mut_ptr().add(16), hi);
+                    }
                 }
             };
         }
         match ty {
-            GgmlType::Q4_0 => each_block!(q4_0, 18, 32),
-            GgmlType::Q4_1 => each_block!(q4_1, 20, 32),
-            GgmlType::Q5_0 => each_block!(q5_0, 22, 32),
-            GgmlType::Q8_0 => each_block!(q8_0, 34, 32),
-            GgmlType::Q4_K => each_block!(q4_k, 144, 256),
-            GgmlType::Q6_K => each_block!(q6_k, 210, 256),
+            GgmlType::Q4_0 => each_group!(q4_0),
+            GgmlType::Q4_1 => each_group!(q4_1),
+            GgmlType::Q5_0 => each_group!(q5_0),
+            GgmlType::Q8_0 => each_group!(q8_0),
+            GgmlType::Q4_K => each_group!(q4_k),
+            GgmlType::Q6_K => each_group!(q6_k),
             _ => unreachable!("avx512::dequantize_blocks: {ty:?} has no decoder"),
         }
     }
@@ -888,15 +888,6 @@ pub(crate) mod avx512 {
         _mm512_cvtepi8_epi32(unsafe { _mm_loadu_si128(b.as_ptr().cast()) })
     }
 
-    /// `o[at..at + 16] = v`.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx2,f16c")]
-    fn store(o: &mut [f32], at: usize, v: __m512) {
-        let o: &mut [f32; 16] = (&mut o[at..at + 16]).try_into().expect("16 outputs");
-        // SAFETY: writes the 16 floats of `o`.
-        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) }
-    }
-
     /// `d·q` (one multiply per value).
     #[inline]
     #[target_feature(enable = "avx512f,avx2,f16c")]
@@ -904,36 +895,47 @@ pub(crate) mod avx512 {
         _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(q))
     }
 
+    // Group decoders: `f(row, g)` is elements 32·g .. 32·g + 32 of the
+    // row of blocks `row`, as [elements 0..16, elements 16..32], with the
+    // values of the scalar decoder.
+
+    /// Q4_0 (block g): d·(q − 8).
     #[inline]
     #[target_feature(enable = "avx512f,avx2,f16c")]
-    fn q4_0(b: &[u8; 18], o: &mut [f32; 32]) {
+    pub(crate) fn q4_0(row: &[u8], g: usize) -> [__m512; 2] {
+        let b = &row[18 * g..18 * g + 18];
         let d = f16_at(b, 0);
         let q = u8x16(b, 2);
         let eight = _mm512_set1_epi32(8);
         let lo = _mm512_sub_epi32(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)), eight);
         let hi = _mm512_sub_epi32(_mm512_srli_epi32::<4>(q), eight);
-        store(o, 0, scale(lo, d));
-        store(o, 16, scale(hi, d));
+        [scale(lo, d), scale(hi, d)]
     }
 
+    /// Q4_1 (block g): d·q + m.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,f16c")]
-    fn q4_1(b: &[u8; 20], o: &mut [f32; 32]) {
+    pub(crate) fn q4_1(row: &[u8], g: usize) -> [__m512; 2] {
+        let b = &row[20 * g..20 * g + 20];
         let (d, m) = (_mm512_set1_ps(f16_at(b, 0)), _mm512_set1_ps(f16_at(b, 2)));
         let q = u8x16(b, 4);
         let lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)));
         let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(q));
-        store(o, 0, _mm512_add_ps(_mm512_mul_ps(d, lo), m));
-        store(o, 16, _mm512_add_ps(_mm512_mul_ps(d, hi), m));
+        [
+            _mm512_add_ps(_mm512_mul_ps(d, lo), m),
+            _mm512_add_ps(_mm512_mul_ps(d, hi), m),
+        ]
     }
 
+    /// Q5_0 (block g): d·(q − 16), the 5th bit of element i bit i of qh.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,f16c")]
-    fn q5_0(b: &[u8; 22], o: &mut [f32; 32]) {
+    pub(crate) fn q5_0(row: &[u8], g: usize) -> [__m512; 2] {
+        let b = &row[22 * g..22 * g + 22];
         let d = f16_at(b, 0);
         let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
         let q = u8x16(b, 6);
-        // Element i's 5th bit is bit i of qh: lanes whose bit is set get 16.
+        // Lanes whose bit of qh is set get 16.
         let sixteen = _mm512_set1_epi32(16);
         let lo = _mm512_or_si512(
             _mm512_and_si512(q, _mm512_set1_epi32(0x0F)),
@@ -943,72 +945,71 @@ pub(crate) mod avx512 {
             _mm512_srli_epi32::<4>(q),
             _mm512_maskz_mov_epi32((qh >> 16) as u16, sixteen),
         );
-        store(o, 0, scale(_mm512_sub_epi32(lo, sixteen), d));
-        store(o, 16, scale(_mm512_sub_epi32(hi, sixteen), d));
+        [
+            scale(_mm512_sub_epi32(lo, sixteen), d),
+            scale(_mm512_sub_epi32(hi, sixteen), d),
+        ]
     }
 
+    /// Q8_0 (block g): d·q.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,f16c")]
-    fn q8_0(b: &[u8; 34], o: &mut [f32; 32]) {
+    pub(crate) fn q8_0(row: &[u8], g: usize) -> [__m512; 2] {
+        let b = &row[34 * g..34 * g + 34];
         let d = f16_at(b, 0);
-        store(o, 0, scale(i8x16(b, 2), d));
-        store(o, 16, scale(i8x16(b, 18), d));
+        [scale(i8x16(b, 2), d), scale(i8x16(b, 18), d)]
     }
 
+    /// Q4_K (block g / 8, sub-block j = g % 8): d·scale_j·q − dmin·min_j,
+    /// q nibble j % 2 of qs\[32·(j / 2) ..\].
     #[inline]
     #[target_feature(enable = "avx512f,avx2,f16c")]
-    fn q4_k(b: &[u8; 144], o: &mut [f32; 256]) {
+    pub(crate) fn q4_k(row: &[u8], g: usize) -> [__m512; 2] {
+        let (blk, j) = (g / 8, g % 8);
+        let b = &row[144 * blk..144 * blk + 144];
         let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-        let sc = &b[4..16];
-        let mask = _mm512_set1_epi32(0x0F);
-        // Sub-blocks 2c (low nibbles) and 2c + 1 (high nibbles) share qs[32c..32c + 32].
-        for c in 0..4 {
-            let (s_lo, m_lo) = k4_scale_min(sc, 2 * c);
-            let (s_hi, m_hi) = k4_scale_min(sc, 2 * c + 1);
-            let (ds_lo, dm_lo) = (_mm512_set1_ps(d * s_lo), _mm512_set1_ps(dmin * m_lo));
-            let (ds_hi, dm_hi) = (_mm512_set1_ps(d * s_hi), _mm512_set1_ps(dmin * m_hi));
-            for half in 0..2 {
-                let q = u8x16(b, 16 + 32 * c + 16 * half);
-                let lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, mask));
-                let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(q));
-                let e = 64 * c + 16 * half;
-                store(o, e, _mm512_sub_ps(_mm512_mul_ps(ds_lo, lo), dm_lo));
-                store(o, e + 32, _mm512_sub_ps(_mm512_mul_ps(ds_hi, hi), dm_hi));
-            }
-        }
+        let (sc, mn) = k4_scale_min(&b[4..16], j);
+        let (ds, dm) = (_mm512_set1_ps(d * sc), _mm512_set1_ps(dmin * mn));
+        let at = 16 + 32 * (j / 2);
+        let nib = |q: __m512i| {
+            let q = if j % 2 == 0 {
+                _mm512_and_si512(q, _mm512_set1_epi32(0x0F))
+            } else {
+                _mm512_srli_epi32::<4>(q)
+            };
+            _mm512_sub_ps(_mm512_mul_ps(ds, _mm512_cvtepi32_ps(q)), dm)
+        };
+        [nib(u8x16(b, at)), nib(u8x16(b, at + 16))]
     }
 
+    /// Q6_K (block g / 8, group i = g % 8 = 4·h + r): d·scale·(q − 32).
     #[inline]
     #[target_feature(enable = "avx512f,avx2,f16c")]
-    fn q6_k(b: &[u8; 210], o: &mut [f32; 256]) {
-        let scales = &b[192..208];
+    pub(crate) fn q6_k(row: &[u8], g: usize) -> [__m512; 2] {
+        let (blk, i) = (g / 8, g % 8);
+        let b = &row[210 * blk..210 * blk + 210];
+        let (h, r) = (i / 4, i % 4);
         let d = f16_at(b, 208);
-        let (mask4, mask2) = (_mm512_set1_epi32(0x0F), _mm512_set1_epi32(3));
-        let thirty_two = _mm512_set1_epi32(32);
-        // Element e = 128·h + 32·r + l; 16 of them (l0 .. l0 + 16) at a time.
-        for h in 0..2 {
-            for l0 in [0, 16] {
-                let high = u8x16(b, 128 + 32 * h + l0);
-                for r in 0..4 {
-                    let low = u8x16(b, 64 * h + 32 * (r % 2) + l0);
-                    let low = _mm512_and_si512(
-                        _mm512_srlv_epi32(low, _mm512_set1_epi32(4 * (r / 2) as i32)),
-                        mask4,
-                    );
-                    let hi2 = _mm512_and_si512(
-                        _mm512_srlv_epi32(high, _mm512_set1_epi32(2 * r as i32)),
-                        mask2,
-                    );
-                    let q = _mm512_sub_epi32(
-                        _mm512_or_si512(low, _mm512_slli_epi32::<4>(hi2)),
-                        thirty_two,
-                    );
-                    let e = 128 * h + 32 * r + l0;
-                    let ds = d * (scales[e / 16] as i8) as f32;
-                    store(o, e, scale(q, ds));
-                }
-            }
-        }
+        let half = |l0: usize| {
+            let low = _mm512_and_si512(
+                _mm512_srlv_epi32(
+                    u8x16(b, 64 * h + 32 * (r % 2) + l0),
+                    _mm512_set1_epi32(4 * (r / 2) as i32),
+                ),
+                _mm512_set1_epi32(0x0F),
+            );
+            let high = _mm512_and_si512(
+                _mm512_srlv_epi32(u8x16(b, 128 + 32 * h + l0), _mm512_set1_epi32(2 * r as i32)),
+                _mm512_set1_epi32(3),
+            );
+            let q = _mm512_sub_epi32(
+                _mm512_or_si512(low, _mm512_slli_epi32::<4>(high)),
+                _mm512_set1_epi32(32),
+            );
+            let e = 128 * h + 32 * r + l0;
+            scale(q, d * (b[192 + e / 16] as i8) as f32)
+        };
+        [half(0), half(16)]
     }
 }
 
