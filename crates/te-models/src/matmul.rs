@@ -120,6 +120,34 @@ fn panel_rows(k: usize) -> usize {
     (PANEL_BYTES / (4 * k.max(1)) / MR * MR).max(MR)
 }
 
+/// The output `y: [t, n]` shared by the parallel tasks; each task writes
+/// only the columns of its own weight rows, so writes never overlap.
+#[derive(Clone, Copy)]
+struct Out {
+    ptr: *mut f32,
+    /// Row stride (n).
+    n: usize,
+}
+
+// SAFETY: tasks write disjoint columns (see `Out::set`), and the slice
+// outlives the parallel loop that uses the pointer.
+unsafe impl Send for Out {}
+// SAFETY: as above.
+unsafe impl Sync for Out {}
+
+impl Out {
+    /// `y[i, j] = v`.
+    ///
+    /// # Safety
+    /// `i < t` and `j < n` of the `[t, n]` output, and no other task
+    /// writes column `j` during the product.
+    #[inline(always)]
+    unsafe fn set(self, i: usize, j: usize, v: f32) {
+        // SAFETY: in bounds and unshared, as the caller guarantees.
+        unsafe { *self.ptr.add(i * self.n + j) = v }
+    }
+}
+
 /// Up to this many token rows (one AVX-512 register tile), quantized
 /// weights are decoded in registers instead of into a panel.
 #[cfg(target_arch = "x86_64")]
@@ -132,10 +160,10 @@ fn fused_type(ty: GgmlType) -> bool {
     matches!(ty, Q4_0 | Q4_1 | Q5_0 | Q8_0 | Q4_K | Q6_K)
 }
 
-/// `yt[j, i] = x_i · w_j` for `rows` weight rows of GGUF blocks (`data`,
-/// `row_bytes` per row) and every row of `x: [t, k]` (`t <=`
-/// [`FUSED_MAX_ROWS`]), decoded in registers; `yt: [rows, t]`. Needs
-/// AVX-512 and a type of [`fused_type`].
+/// `y[i, j0 + j] = x_i · w_j` for `rows` weight rows of GGUF blocks
+/// (`data`, `row_bytes` per row) and every row of `x: [t, k]` (`t <=`
+/// [`FUSED_MAX_ROWS`]), decoded in registers. Needs AVX-512 and a type of
+/// [`fused_type`]; the task must own columns `j0 .. j0 + rows` of `y`.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 fn fused_product(
@@ -146,7 +174,8 @@ fn fused_product(
     data: &[u8],
     row_bytes: usize,
     rows: usize,
-    yt: &mut [f32],
+    y: Out,
+    j0: usize,
 ) {
     debug_assert!(t <= FUSED_MAX_ROWS && x.len() == t * k);
     for m0 in (0..rows).step_by(MR) {
@@ -190,15 +219,18 @@ fn fused_product(
             _ => unreachable!("at most FUSED_MAX_ROWS token rows"),
         }
         for (m, o) in out.iter().enumerate().take(mr) {
-            yt[(m0 + m) * t..(m0 + m + 1) * t].copy_from_slice(&o[..t]);
+            for (i, &v) in o[..t].iter().enumerate() {
+                // SAFETY: i < t; column j0 + m0 + m is this task's.
+                unsafe { y.set(i, j0 + m0 + m, v) };
+            }
         }
     }
 }
 
 /// `y = x · wᵀ` (see the module doc for the exact arithmetic): `x: [t, k]`,
-/// `w: [n, k]`, `y: [t, n]`. `scratch` is grown as needed and reused:
-/// `[n, t]` transposed output when `t > 1`, and one decoded panel per task
-/// for quantized weights.
+/// `w: [n, k]`, `y: [t, n]`. `scratch` is grown as needed and reused: per
+/// task, a decoded panel (quantized weights) and the k-blocked kernel's
+/// accumulators.
 pub(crate) fn matmul_into(
     x: &[f32],
     t: usize,
@@ -235,62 +267,154 @@ pub(crate) fn matmul_into_isa(
     let rows_per_task = n.div_ceil(threads * TASKS_PER_THREAD).div_ceil(MR) * MR;
     let tasks = n.div_ceil(rows_per_task);
     let prows = panel_rows(k).min(rows_per_task);
-    // f32 weights are read in place: one unused float per task.
+    // Per task: the decoded panel (quantized weights; f32 weights are read
+    // in place), then the k-blocked kernel's accumulator state.
+    let state_len = STATE_ROWS * prows.div_ceil(MR) * MR * 16;
     let (row_bytes, panel_len) = match w {
-        Weights::F32(_) => (0, 1),
-        Weights::Quantized { data, .. } => (data.len() / n, prows * k),
+        Weights::F32(_) => (0, state_len),
+        Weights::Quantized { data, .. } => (data.len() / n, prows * k + state_len),
     };
-    // scratch: [yt: n * t when t > 1][panels: tasks * panel_len]
-    let yt_len = if t > 1 { n * t } else { 0 };
-    let need = yt_len + tasks * panel_len;
+    // scratch: [panels: tasks * panel_len]
+    let need = tasks * panel_len;
     if scratch.len() < need {
         scratch.resize(need, 0.0);
     }
-    let (yt_buf, panels) = scratch[..need].split_at_mut(yt_len);
+    let panels = &mut scratch[..need];
     // Few token rows: decode in registers (AVX-512 group decoders).
     #[cfg(target_arch = "x86_64")]
     let fused = isa == Isa::Avx512
         && t <= FUSED_MAX_ROWS
         && matches!(w, Weights::Quantized { ty, .. } if fused_type(ty));
-    let yt: &mut [f32] = if t > 1 { yt_buf } else { &mut *y };
-    yt.par_chunks_mut(rows_per_task * t)
-        .zip(panels.par_chunks_mut(panel_len))
+    let out = Out {
+        ptr: y.as_mut_ptr(),
+        n,
+    };
+    panels
+        .par_chunks_mut(panel_len)
         .enumerate()
-        .for_each(|(ti, (yt, panel))| {
+        .for_each(|(ti, panel)| {
+            // This task's weight rows, i.e. columns j0 .. j0 + rows of y.
             let j0 = ti * rows_per_task;
-            let rows = yt.len() / t;
+            let rows = rows_per_task.min(n - j0);
             #[cfg(target_arch = "x86_64")]
             if let (true, Weights::Quantized { ty, data }) = (fused, w) {
                 let data = &data[j0 * row_bytes..(j0 + rows) * row_bytes];
-                fused_product(ty, x, t, k, data, row_bytes, rows, yt);
+                fused_product(ty, x, t, k, data, row_bytes, rows, out, j0);
                 return;
             }
             for p0 in (0..rows).step_by(prows) {
                 let pr = prows.min(rows - p0);
                 let (r0, r1) = (j0 + p0, j0 + p0 + pr);
+                let (decoded, state) = panel.split_at_mut(panel.len() - state_len);
                 let wp: &[f32] = match w {
                     Weights::F32(w) => &w[r0 * k..r1 * k],
                     Weights::Quantized { ty, data } => {
-                        let dst = &mut panel[..pr * k];
+                        let dst = &mut decoded[..pr * k];
                         dequantize_blocks(ty, &data[r0 * row_bytes..r1 * row_bytes], dst);
                         dst
                     }
                 };
-                panel_product(isa, x, t, k, wp, k, pr, &mut yt[p0 * t..(p0 + pr) * t]);
+                #[cfg(target_arch = "x86_64")]
+                if isa == Isa::Avx512 {
+                    panel_product_avx512(x, t, k, wp, pr, state, out, r0);
+                    continue;
+                }
+                panel_product(isa, x, t, k, wp, k, pr, out, r0);
             }
         });
-    if t > 1 {
-        // yt: [n, t] -> y: [t, n]
-        for (j, col) in scratch[..n * t].chunks_exact(t).enumerate() {
-            for (i, v) in col.iter().enumerate() {
-                y[i * n + j] = *v;
+}
+
+/// Columns per k-block of the AVX-512 panel kernel: a 6-row tile of `x`
+/// and a 4-row tile of the panel stay in L1 while the kernel walks them.
+const KC: usize = 256;
+
+/// Token rows per block of the AVX-512 panel kernel (a multiple of its 6
+/// rows per tile); their accumulators live in the task's state buffer
+/// between k-blocks.
+const STATE_ROWS: usize = 48;
+
+/// [`panel_product`] with AVX-512, blocked over `k` as well: for each block
+/// of [`STATE_ROWS`] token rows, the columns are walked in blocks of
+/// [`KC`], each tile's 16-lane accumulators saved to `state` between
+/// blocks and reloaded (exact), so every accumulator still sees its
+/// columns in order and the arithmetic is the module's. `w: [rows, k]`,
+/// `state`: at least `STATE_ROWS * rows.div_ceil(MR) * MR * 16` floats.
+#[cfg(target_arch = "x86_64")]
+fn panel_product_avx512(
+    x: &[f32],
+    t: usize,
+    k: usize,
+    w: &[f32],
+    rows: usize,
+    state: &mut [f32],
+    y: Out,
+    j0: usize,
+) {
+    const NR: usize = 6;
+    let tiles_m = rows.div_ceil(MR);
+    assert!(
+        state.len() >= STATE_ROWS * tiles_m * MR * 16,
+        "panel_product_avx512: short state"
+    );
+    assert!(
+        w.len() >= rows * k && x.len() >= t * k,
+        "panel_product_avx512: short input"
+    );
+    for b0 in (0..t).step_by(STATE_ROWS) {
+        let bt = STATE_ROWS.min(t - b0);
+        for c0 in (0..k).step_by(KC) {
+            let c1 = (c0 + KC).min(k);
+            for i0 in (b0..b0 + bt).step_by(NR) {
+                let nr = NR.min(b0 + bt - i0);
+                for m0 in (0..rows).step_by(MR) {
+                    let mr = MR.min(rows - m0);
+                    // Tile rows past the edge repeat the first one
+                    // (computed, never stored).
+                    let wp: [*const f32; MR] = std::array::from_fn(|m| {
+                        w[(m0 + if m < mr { m } else { 0 }) * k..].as_ptr()
+                    });
+                    let slot = ((i0 - b0) / NR * tiles_m + m0 / MR) * MR * NR * 16;
+                    let st = state[slot..slot + MR * NR * 16].as_mut_ptr();
+                    macro_rules! go {
+                        ($nr:literal) => {{
+                            let xp: [*const f32; $nr] =
+                                std::array::from_fn(|r| x[(i0 + r) * k..].as_ptr());
+                            // SAFETY: the CPU has AVX-512F (Isa::Avx512);
+                            // every x and w pointer starts k readable floats
+                            // (asserted above); `st` has MR * NR * 16 floats.
+                            unsafe { avx512::tile_block::<$nr>(&xp, &wp, c0, c1, k, st, c0 == 0) }
+                        }};
+                    }
+                    match nr {
+                        1 => go!(1),
+                        2 => go!(2),
+                        3 => go!(3),
+                        4 => go!(4),
+                        5 => go!(5),
+                        6 => go!(6),
+                        _ => unreachable!("at most 6 token rows per tile"),
+                    }
+                    if c1 == k {
+                        for m in 0..mr {
+                            for r in 0..nr {
+                                let lanes: &[f32; 16] = state[slot + (m * nr + r) * 16..][..16]
+                                    .try_into()
+                                    .expect("16 lanes");
+                                // SAFETY: i0 + r < t; column j0 + m0 + m
+                                // is this task's.
+                                unsafe { y.set(i0 + r, j0 + m0 + m, reduce16(lanes)) };
+                            }
+                        }
+                    }
+                }
             }
         }
     }
 }
 
-/// `yt[j, i] = x_i · w_j` for the `rows` weight rows of one panel (`w`,
-/// row stride `ldw`) and every row of `x: [t, k]`; `yt: [rows, t]`.
+/// `y[i, j0 + j] = x_i · w_j` for the `rows` weight rows of one panel
+/// (`w`, row stride `ldw`) and every row of `x: [t, k]`; the task must own
+/// columns `j0 .. j0 + rows` of `y`.
 #[allow(clippy::too_many_arguments)]
 fn panel_product(
     isa: Isa,
@@ -300,10 +424,11 @@ fn panel_product(
     w: &[f32],
     ldw: usize,
     rows: usize,
-    yt: &mut [f32],
+    y: Out,
+    j0: usize,
 ) {
     let nr_max = match isa {
-        Isa::Avx512 => 6,
+        Isa::Avx512 => unreachable!("AVX-512 panels run in panel_product_avx512"),
         Isa::Avx2 => 3,
         Isa::Portable => 4,
     };
@@ -318,7 +443,10 @@ fn panel_product(
             let mut out = [[0.0f32; 6]; MR];
             tile(isa, x, &xr[..nr], w, &wr, k, &mut out);
             for (m, o) in out.iter().enumerate().take(mr) {
-                yt[(m0 + m) * t + i0..(m0 + m) * t + i0 + nr].copy_from_slice(&o[..nr]);
+                for (r, &v) in o[..nr].iter().enumerate() {
+                    // SAFETY: i0 + r < t; column j0 + m0 + m is this task's.
+                    unsafe { y.set(i0 + r, j0 + m0 + m, v) };
+                }
             }
         }
     }
@@ -340,30 +468,7 @@ fn tile(
     debug_assert!(xr.iter().all(|&o| o + k <= x.len()));
     debug_assert!(wr.iter().all(|&o| o + k <= w.len()));
     match isa {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => {
-            macro_rules! go {
-                ($nr:literal) => {{
-                    let xp: [*const f32; $nr] = std::array::from_fn(|r| x[xr[r]..].as_ptr());
-                    let wp: [*const f32; MR] = std::array::from_fn(|m| w[wr[m]..].as_ptr());
-                    // SAFETY: the CPU has AVX-512F (Isa::detect / available);
-                    // each pointer starts a row of k readable floats.
-                    let o = unsafe { avx512::tile::<$nr>(&xp, &wp, k) };
-                    for m in 0..MR {
-                        out[m][..$nr].copy_from_slice(&o[m]);
-                    }
-                }};
-            }
-            match xr.len() {
-                1 => go!(1),
-                2 => go!(2),
-                3 => go!(3),
-                4 => go!(4),
-                5 => go!(5),
-                6 => go!(6),
-                _ => unreachable!("at most 6 token rows per tile"),
-            }
-        }
+        Isa::Avx512 => unreachable!("AVX-512 panels run in panel_product_avx512"),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => {
             macro_rules! go {
@@ -386,7 +491,7 @@ fn tile(
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
-        Isa::Avx512 | Isa::Avx2 => unreachable!("x86_64 only"),
+        Isa::Avx2 => unreachable!("x86_64 only"),
         Isa::Portable => {
             for (m, &wo) in wr.iter().enumerate() {
                 for (r, &xo) in xr.iter().enumerate() {
@@ -423,29 +528,48 @@ fn reduce16(a: &[f32; 16]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
+// Index loops over the register tile read as the math does (acc[m][r]).
+#[allow(clippy::needless_range_loop)]
 mod avx512 {
     use std::arch::x86_64::*;
 
     use super::MR;
 
-    /// `out[m][r] = x_r · w_m` over `k` columns, each pair in its own
-    /// 16-lane accumulator (the module's arithmetic).
+    /// Columns `c0..c1` of a tile's products (`c0` a multiple of 16; the
+    /// last group masked when `c1 == k` is not), continuing the 16-lane
+    /// accumulators saved at `state[(m · NR + r) · 16 ..][..16]` (zeros
+    /// when `first`) and saving them back there.
     ///
     /// # Safety
     /// The CPU must support AVX-512F; every pointer must start `k`
-    /// readable floats.
+    /// readable floats; `state` must hold `MR · NR · 16` floats.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn tile<const NR: usize>(
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn tile_block<const NR: usize>(
         x: &[*const f32; NR],
         w: &[*const f32; MR],
+        c0: usize,
+        c1: usize,
         k: usize,
-    ) -> [[f32; NR]; MR] {
+        state: *mut f32,
+        first: bool,
+    ) {
         let mut acc = [[_mm512_setzero_ps(); NR]; MR];
-        let k16 = k / 16 * 16;
-        let mut c = 0;
-        while c < k16 {
-            // Plain loops, not closures: a closure's body is not inlined
-            // into std's generic helpers, which lack the target features.
+        if !first {
+            for m in 0..MR {
+                for r in 0..NR {
+                    // SAFETY: inside the MR · NR · 16 floats of `state`.
+                    acc[m][r] = unsafe { _mm512_loadu_ps(state.add((m * NR + r) * 16)) };
+                }
+            }
+        }
+        let full = if c1 == k {
+            c0 + (c1 - c0) / 16 * 16
+        } else {
+            c1
+        };
+        let mut c = c0;
+        while c < full {
             let mut xv = [_mm512_setzero_ps(); NR];
             for r in 0..NR {
                 // SAFETY: c + 16 <= k for every row.
@@ -460,8 +584,8 @@ mod avx512 {
             }
             c += 16;
         }
-        if k16 < k {
-            let mask: __mmask16 = (1u32 << (k - k16)) as u16 - 1;
+        if c < c1 {
+            let mask: __mmask16 = ((1u32 << (c1 - c)) - 1) as u16;
             let mut xv = [_mm512_setzero_ps(); NR];
             for r in 0..NR {
                 // SAFETY: masked loads read only columns < k.
@@ -475,13 +599,12 @@ mod avx512 {
                 }
             }
         }
-        let mut out = [[0.0f32; NR]; MR];
         for m in 0..MR {
             for r in 0..NR {
-                out[m][r] = reduce(acc[m][r]);
+                // SAFETY: inside the MR · NR · 16 floats of `state`.
+                unsafe { _mm512_storeu_ps(state.add((m * NR + r) * 16), acc[m][r]) };
             }
         }
-        out
     }
 
     /// A kernel like [`tile`] for weight rows in GGUF blocks, decoded in
@@ -553,6 +676,8 @@ mod avx512 {
 }
 
 #[cfg(target_arch = "x86_64")]
+// Index loops over the register tile read as the math does (acc[m][r]).
+#[allow(clippy::needless_range_loop)]
 mod avx2 {
     use std::arch::x86_64::*;
 

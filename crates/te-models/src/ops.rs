@@ -68,8 +68,8 @@ pub enum WeightData {
     /// f32, row-major.
     F32(Vec<f32>),
     /// GGUF blocks of type `ty`, `cols / block_len` blocks per row, kept as
-    /// stored and dequantized one row at a time when used (the values are
-    /// exactly those of a full dequantization).
+    /// stored and decoded inside the matrix kernel ([`crate::matmul`]; the
+    /// values are exactly those of a full dequantization).
     Quantized { ty: GgmlType, data: WeightBytes },
 }
 
@@ -146,8 +146,8 @@ impl Linear {
     }
 
     /// [`forward`](Self::forward) into `y: [t, out_features]`, with
-    /// `scratch` reused across calls (the kernel's transposed output for
-    /// `t > 1` and its decoded weight panels): decode allocates nothing
+    /// `scratch` reused across calls (the kernel's decoded weight panels
+    /// and accumulators): decode allocates nothing
     /// once `scratch` has grown. Each output row is bit-identical for any
     /// `t` and any position in the batch ([`crate::matmul`]).
     pub fn forward_into(&self, x: &[f32], t: usize, y: &mut [f32], scratch: &mut Vec<f32>) {
