@@ -31,7 +31,7 @@ pub mod hub;
 pub mod inspect;
 pub mod layer;
 pub mod loader;
-pub(crate) mod matmul;
+pub mod matmul;
 pub mod model;
 pub mod ops;
 pub mod perplexity;

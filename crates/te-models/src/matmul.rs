@@ -25,13 +25,18 @@
 //!
 //! # Blocking
 //!
-//! The weight rows are split over the rayon pool; each task decodes
-//! panels of up to [`PANEL_BYTES`] of f32 weights (quantized types; f32
-//! weights are read in place) and runs every tile of `x` against the
-//! panel, so each weight block is decoded once per step whatever `t` is.
-//! The register tile is `MR` weight rows by `NR` token rows of 16-lane
-//! accumulators (AVX-512: 4 x 6 in 24 of its 32 registers; AVX2: 4 x 3,
-//! one 8-lane half of the 16 lanes at a time).
+//! The weight rows are split over the rayon pool (a task owns a range of
+//! output columns and writes them in place). With AVX-512 and at most 6
+//! token rows, quantized weights are decoded in registers 32 at a time
+//! and multiplied into a 4 weight rows x t token rows tile at once
+//! (decode). Otherwise each task decodes panels of up to 256 KiB of f32
+//! weights (f32 weights are read in place) and runs every register tile
+//! of `x` against the panel, so each weight block is decoded once per
+//! step whatever `t` is: AVX-512 tiles of 4 x 6 (24 of its 32 registers),
+//! walking `k` in 256-column blocks with the accumulators saved between
+//! blocks (exact); AVX2 tiles of 4 x 3, one 8-lane half of the 16 lanes
+//! at a time. Scratch (panels, saved accumulators) comes from the
+//! caller's reused buffer.
 
 use rayon::prelude::*;
 
