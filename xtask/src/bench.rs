@@ -35,6 +35,14 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         for row in crate::bench_kernels::run()? {
             println!("{row}");
         }
+        println!("\n### Quantized matrix-vector products (decode, t = 1)\n");
+        for row in crate::bench_matmul::decode_rows()? {
+            println!("{row}");
+        }
+        println!("\n### Quantized products over several rows (batched decode, prefill)\n");
+        for row in crate::bench_matmul::prefill_rows()? {
+            println!("{row}");
+        }
         println!();
     }
     if wanted("attention") {

@@ -127,12 +127,9 @@ pub struct Threads {
 
 impl Threads {
     /// Sets up the process's compute threads once, before any computation,
-    /// and returns their number: one rayon global pool of N threads, and
-    /// `MATMUL_NUM_THREADS=N` for `matrixmultiply` (the prefill GEMM), which
-    /// runs its own thread pool (not rayon's; it reads the variable once, at
-    /// its first product, and uses at most 4 threads). The GEMM runs on the
-    /// calling thread while the rayon pool is idle, so at most N threads
-    /// compute at a time.
+    /// and returns their number: one rayon global pool of N threads, on
+    /// which every matrix product, attention and norm runs, so at most N
+    /// threads compute at a time.
     ///
     /// Errors: `--threads 0`, or a pool that cannot be built (already built,
     /// or the system refuses the threads).
@@ -142,9 +139,6 @@ impl Threads {
             Some(n) => n,
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
-        // Before any thread of ours exists: nothing reads the environment
-        // concurrently.
-        std::env::set_var("MATMUL_NUM_THREADS", n.to_string());
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .build_global()

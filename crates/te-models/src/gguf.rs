@@ -23,6 +23,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use memmap2::Mmap;
 
@@ -141,7 +142,9 @@ impl TensorInfo {
 #[derive(Debug)]
 pub struct GgufFile {
     path: PathBuf,
-    mmap: Mmap,
+    /// Shared with the quantized weights loaded from it
+    /// ([`crate::ops::WeightBytes`]), which read the map in place.
+    mmap: Arc<Mmap>,
     version: u32,
     metadata: Vec<(String, GgufValue)>,
     metadata_index: HashMap<String, usize>,
@@ -282,7 +285,7 @@ impl GgufFile {
         check_data_layout(&tensors, data_start, alignment, file_len).map_err(|e| r.err(e))?;
         Ok(GgufFile {
             path,
-            mmap,
+            mmap: Arc::new(mmap),
             version,
             metadata,
             metadata_index,
@@ -449,6 +452,18 @@ impl GgufFile {
             })?;
         let start = (self.data_start + info.offset) as usize;
         Ok(&self.mmap[start..start + n as usize])
+    }
+
+    /// The stored bytes of a tensor as a shared view of the file map (no
+    /// copy: the bytes stay in the page cache, resident once however many
+    /// readers map them). Errors as [`tensor_bytes`](Self::tensor_bytes).
+    pub fn tensor_weight_bytes(&self, info: &TensorInfo) -> Result<crate::ops::WeightBytes> {
+        let n = self.tensor_bytes(info)?.len();
+        let start = (self.data_start + info.offset) as usize;
+        Ok(crate::ops::WeightBytes::mapped(
+            Arc::clone(&self.mmap),
+            start..start + n,
+        ))
     }
 
     /// Dequantizes tensor `name` to f32, row-major with rows of `ne[0]`

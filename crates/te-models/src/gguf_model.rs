@@ -61,7 +61,8 @@ impl TensorSource for GgufFile {
                 .block_layout()
                 .is_some_and(|(len, _)| len > 1);
         if blocked {
-            let data = self.tensor_bytes(info)?.to_vec();
+            // Read in place from the file map: no copy of the weights.
+            let data = self.tensor_weight_bytes(info)?;
             Ok((
                 info.shape(),
                 WeightData::Quantized {

@@ -14,8 +14,9 @@
 //! weight-name mapping ([`weights`]) onto the one [`layer::Layer`]; a model
 //! loads only after [`validate`] found its config, tensors, metadata and
 //! tokenizer consistent (no tensor missing, misshapen or left unused);
-//! weights are dequantized to f32 once at load; errors name the file,
-//! tensor or field at fault.
+//! GGUF block-quantized weights stay as stored (read in place from the
+//! file map) and are decoded inside the matrix kernels ([`ops::Linear`]),
+//! other weights are f32; errors name the file, tensor or field at fault.
 
 pub mod chat;
 pub mod config;
@@ -31,6 +32,7 @@ pub mod hub;
 pub mod inspect;
 pub mod layer;
 pub mod loader;
+pub mod matmul;
 pub mod model;
 pub mod ops;
 pub mod perplexity;

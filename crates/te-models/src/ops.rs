@@ -1,10 +1,66 @@
 //! Dense CPU ops of the model forward that are not attention, RoPE or the
-//! KV cache: linear layers (f32 GEMM through `matrixmultiply`), RMSNorm and
-//! the gated activations. All f32, row-major.
+//! KV cache: linear layers (over f32 or GGUF-quantized weights, through
+//! the one blocked kernel of [`crate::matmul`]), RMSNorm and the gated
+//! activations. All f32, row-major.
 
 use rayon::prelude::*;
 
+use crate::matmul::{self, Weights};
 use crate::quant::{dequantize_blocks, GgmlType};
+
+/// The bytes of a quantized weight: owned, or a range of a read-only file
+/// map shared with the [`crate::gguf::GgufFile`] it came from, read in
+/// place (GGUF weights are then resident once, in the page cache, as
+/// stored, instead of mapped and copied).
+#[derive(Clone)]
+pub struct WeightBytes(BytesRepr);
+
+#[derive(Clone)]
+enum BytesRepr {
+    Owned(Vec<u8>),
+    Mapped {
+        map: std::sync::Arc<memmap2::Mmap>,
+        range: std::ops::Range<usize>,
+    },
+}
+
+impl WeightBytes {
+    /// `map[range]`, kept alive with the map. Panics when `range` is not
+    /// inside the map.
+    pub fn mapped(map: std::sync::Arc<memmap2::Mmap>, range: std::ops::Range<usize>) -> Self {
+        assert!(
+            range.start <= range.end && range.end <= map.len(),
+            "WeightBytes: range outside the map"
+        );
+        WeightBytes(BytesRepr::Mapped { map, range })
+    }
+}
+
+impl From<Vec<u8>> for WeightBytes {
+    fn from(v: Vec<u8>) -> Self {
+        WeightBytes(BytesRepr::Owned(v))
+    }
+}
+
+impl std::ops::Deref for WeightBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match &self.0 {
+            BytesRepr::Owned(v) => v,
+            BytesRepr::Mapped { map, range } => &map[range.clone()],
+        }
+    }
+}
+
+impl std::fmt::Debug for WeightBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.0 {
+            BytesRepr::Owned(_) => "owned",
+            BytesRepr::Mapped { .. } => "mapped",
+        };
+        write!(f, "WeightBytes({} bytes, {kind})", self.len())
+    }
+}
 
 /// Storage of a `[rows, cols]` weight matrix.
 #[derive(Clone, Debug)]
@@ -12,9 +68,9 @@ pub enum WeightData {
     /// f32, row-major.
     F32(Vec<f32>),
     /// GGUF blocks of type `ty`, `cols / block_len` blocks per row, kept as
-    /// stored and dequantized one row at a time when used (the values are
-    /// exactly those of a full dequantization).
-    Quantized { ty: GgmlType, data: Vec<u8> },
+    /// stored and decoded inside the matrix kernel ([`crate::matmul`]; the
+    /// values are exactly those of a full dequantization).
+    Quantized { ty: GgmlType, data: WeightBytes },
 }
 
 /// A linear layer: `y = x · Wᵀ (+ b)`.
@@ -90,9 +146,10 @@ impl Linear {
     }
 
     /// [`forward`](Self::forward) into `y: [t, out_features]`, with
-    /// `scratch` reused across calls (the matrix-vector path's transposed
-    /// output for `1 < t <= 32`, and dequantized weight rows): decode
-    /// allocates nothing once `scratch` has grown.
+    /// `scratch` reused across calls (the kernel's decoded weight panels
+    /// and accumulators): decode allocates nothing
+    /// once `scratch` has grown. Each output row is bit-identical for any
+    /// `t` and any position in the batch ([`crate::matmul`]).
     pub fn forward_into(&self, x: &[f32], t: usize, y: &mut [f32], scratch: &mut Vec<f32>) {
         let (n, k) = (self.out_features, self.in_features);
         assert_eq!(
@@ -135,17 +192,10 @@ impl Linear {
     }
 }
 
-/// Weight rows dequantized per task by [`matmul_quantized`] for prefill.
-const DEQUANT_BLOCK_ROWS: usize = 256;
-
-/// `y = x · wᵀ` for a quantized `w: [n, k]` (`row_bytes` bytes per row).
-///
-/// Decode (`t <=` [`GEMV_MAX_ROWS`]): each task reads one weight row at a
-/// time and takes its dot products with every row of `x`, so memory
-/// traffic is the quantized bytes; with AVX2 the row is decoded into
-/// registers 32 values at a time (bit-identical to dequantizing it into
-/// scratch, which the other CPUs and types do). Prefill: blocks of rows
-/// are dequantized and multiplied with the f32 GEMM.
+/// `y = x · wᵀ` for a quantized `w: [n, k]`, through [`crate::matmul`]
+/// (one blocked kernel for every `t`: a row's result does not depend on
+/// the batch).
+#[allow(clippy::too_many_arguments)]
 fn matmul_quantized_into(
     x: &[f32],
     t: usize,
@@ -156,228 +206,12 @@ fn matmul_quantized_into(
     y: &mut [f32],
     scratch: &mut Vec<f32>,
 ) {
-    assert_eq!(x.len(), t * k, "matmul_quantized: x is not [t, k]");
-    let row_bytes = data.len() / n;
-    if t <= GEMV_MAX_ROWS {
-        gemv_into(t, n, y, scratch, |yt| {
-            yt.par_chunks_mut(GEMV_BLOCK * t)
-                .zip(data.par_chunks(GEMV_BLOCK * row_bytes))
-                .for_each(|(yt, w)| gemv_quantized_block(x, t, k, ty, w, yt))
-        });
-        return;
-    }
-    scratch.resize(DEQUANT_BLOCK_ROWS * k, 0.0);
-    for (b, rows) in data.chunks(DEQUANT_BLOCK_ROWS * row_bytes).enumerate() {
-        let nb = rows.len() / row_bytes;
-        let w = &mut scratch[..nb * k];
-        w.par_chunks_mut(k)
-            .zip(rows.par_chunks(row_bytes))
-            .for_each(|(o, r)| dequantize_blocks(ty, r, o));
-        // y[:, b*R .. b*R + nb] = x · wᵀ.
-        gemm_xwt_into(x, t, k, w, nb, y, b * DEQUANT_BLOCK_ROWS, n);
-    }
+    matmul::matmul_into(x, t, Weights::Quantized { ty, data }, n, k, y, scratch)
 }
 
-/// The matrix-vector path's output: `compute` fills `yt: [n, t]`, which is
-/// `y` itself when `t == 1` (the layouts agree), else `scratch`, then
-/// transposed into `y: [t, n]`.
-fn gemv_into(
-    t: usize,
-    n: usize,
-    y: &mut [f32],
-    scratch: &mut Vec<f32>,
-    compute: impl FnOnce(&mut [f32]),
-) {
-    if t == 1 {
-        compute(y);
-        return;
-    }
-    scratch.resize(n * t, 0.0);
-    compute(&mut scratch[..n * t]);
-    for (j, col) in scratch[..n * t].chunks_exact(t).enumerate() {
-        for (i, v) in col.iter().enumerate() {
-            y[i * n + j] = *v;
-        }
-    }
-}
-
-/// `yt[j, i] = x_i · w_j` for the quantized weight rows `w` of one block:
-/// decoded in registers where the AVX2 decoders cover `ty`, else each row
-/// dequantized into scratch first.
-fn gemv_quantized_block(x: &[f32], t: usize, k: usize, ty: GgmlType, w: &[u8], yt: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma")
-        && std::arch::is_x86_feature_detected!("f16c")
-    {
-        // SAFETY: the CPU supports the features the function is compiled for.
-        return unsafe { gemv_quantized_block_avx2(x, t, k, ty, w, yt) };
-    }
-    gemv_quantized_block_generic(x, t, k, ty, w, yt)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn gemv_quantized_block_avx2(
-    x: &[f32],
-    t: usize,
-    k: usize,
-    ty: GgmlType,
-    w: &[u8],
-    yt: &mut [f32],
-) {
-    if !crate::quant::avx2::available(ty) {
-        return gemv_quantized_block_generic(x, t, k, ty, w, yt);
-    }
-    // Rows of x in groups of up to FUSED_ROWS; each group reads the
-    // block's weights once. Every row's arithmetic is the same whatever
-    // the group, so results do not depend on t.
-    for r0 in (0..t).step_by(FUSED_ROWS) {
-        let c = (t - r0).min(FUSED_ROWS);
-        let xs = &x[r0 * k..(r0 + c) * k];
-        match c {
-            1 => gemv_quantized_block_fused::<1>(xs, k, ty, w, yt, t, r0),
-            2 => gemv_quantized_block_fused::<2>(xs, k, ty, w, yt, t, r0),
-            3 => gemv_quantized_block_fused::<3>(xs, k, ty, w, yt, t, r0),
-            4 => gemv_quantized_block_fused::<4>(xs, k, ty, w, yt, t, r0),
-            5 => gemv_quantized_block_fused::<5>(xs, k, ty, w, yt, t, r0),
-            6 => gemv_quantized_block_fused::<6>(xs, k, ty, w, yt, t, r0),
-            7 => gemv_quantized_block_fused::<7>(xs, k, ty, w, yt, t, r0),
-            8 => gemv_quantized_block_fused::<8>(xs, k, ty, w, yt, t, r0),
-            _ => unreachable!("groups of at most FUSED_ROWS"),
-        }
-    }
-}
-
-/// [`gemv_quantized_block`] for `T` rows of `x` (columns `col0 .. col0 +
-/// T` of `yt: [rows, ld]`) and a type with an AVX2 decoder: each group of 32 weights is decoded into registers and
-/// multiplied into the accumulators directly (no scratch row). The
-/// products and sums are those of [`dot`] in the same order (lanes 0..8
-/// and 8..16 of its 16 accumulators, multiply then add, no FMA), so the
-/// results are bit-identical to dequantizing the row and calling [`dot`].
-///
-/// Compiled for exactly the decoders' features (no FMA), so that `groups`
-/// can be inlined into them.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,f16c")]
-fn gemv_quantized_block_fused<const T: usize>(
-    x: &[f32],
-    k: usize,
-    ty: GgmlType,
-    w: &[u8],
-    yt: &mut [f32],
-    ld: usize,
-    col0: usize,
-) {
-    use std::arch::x86_64::*;
-    let row_bytes = w.len() / (yt.len() / ld);
-    let xs: [&[f32]; T] = std::array::from_fn(|i| &x[i * k..(i + 1) * k]);
-    for (w_row, out) in w.chunks_exact(row_bytes).zip(yt.chunks_exact_mut(ld)) {
-        let out = &mut out[col0..col0 + T];
-        // Per row of x: dot's accumulator lanes 0..8 and 8..16.
-        let mut acc = [[_mm256_setzero_ps(); 2]; T];
-        let groups = |e: usize, v: [__m256; 4]| {
-            for (acc, x) in acc.iter_mut().zip(&xs) {
-                let x = &x[e..e + 32];
-                for (i, v) in v.into_iter().enumerate() {
-                    // SAFETY: reads x[8·i .. 8·i + 8], inside the 32 of `x`.
-                    let xi = unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * i)) };
-                    acc[i % 2] = _mm256_add_ps(acc[i % 2], _mm256_mul_ps(xi, v));
-                }
-            }
-        };
-        // SAFETY: this function runs only with AVX2 and F16C; the caller
-        // checked that `ty` has an AVX2 decoder.
-        unsafe { crate::quant::avx2::for_each_group(ty, w_row, groups) };
-        for (o, acc) in out.iter_mut().zip(acc) {
-            let mut lanes = [0.0f32; 16];
-            // SAFETY: writes lanes[0..8] and lanes[8..16].
-            unsafe {
-                _mm256_storeu_ps(lanes.as_mut_ptr(), acc[0]);
-                _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[1]);
-            }
-            // k is a whole number of 32-element groups: dot's tail is empty.
-            *o = dot_finish(&lanes, std::iter::empty::<f32>().sum());
-        }
-    }
-}
-
-#[inline(always)]
-fn gemv_quantized_block_generic(
-    x: &[f32],
-    t: usize,
-    k: usize,
-    ty: GgmlType,
-    w: &[u8],
-    yt: &mut [f32],
-) {
-    let row_bytes = w.len() / (yt.len() / t);
-    let mut row = vec![0.0f32; k];
-    for (w_row, out) in w.chunks_exact(row_bytes).zip(yt.chunks_exact_mut(t)) {
-        dequantize_blocks(ty, w_row, &mut row);
-        gemv_block_generic(x, t, k, &row, out);
-    }
-}
-
-/// Columns `col0 .. col0 + n` of `y: [t, ldy]` = `x · wᵀ` with `x: [t, k]`,
-/// `w: [n, k]` (f32 GEMM, `matrixmultiply`).
-fn gemm_xwt_into(
-    x: &[f32],
-    t: usize,
-    k: usize,
-    w: &[f32],
-    n: usize,
-    y: &mut [f32],
-    col0: usize,
-    ldy: usize,
-) {
-    assert!(
-        x.len() >= t * k && w.len() >= n * k,
-        "gemm_xwt_into: short input"
-    );
-    assert!(
-        col0 + n <= ldy && y.len() >= t * ldy,
-        "gemm_xwt_into: short output"
-    );
-    // C[t, n] = A[t, k] · B[k, n] with B = wᵀ: B[kk, j] = w[j, kk], i.e. row
-    // stride 1 and column stride k over w's storage; C starts at column col0
-    // of y with row stride ldy.
-    // SAFETY: the asserts above bound every index sgemm reads or writes.
-    unsafe {
-        matrixmultiply::sgemm(
-            t,
-            k,
-            n,
-            1.0,
-            x.as_ptr(),
-            k as isize,
-            1,
-            w.as_ptr(),
-            1,
-            k as isize,
-            0.0,
-            y.as_mut_ptr().add(col0),
-            ldy as isize,
-            1,
-        );
-    }
-}
-
-/// Up to this many rows of `x` (decode, batched decode), products run as
-/// matrix-vector products, reading each weight row once per group of
-/// [`FUSED_ROWS`] rows, with per-row arithmetic that does not depend on
-/// the number of rows: a sequence's logits are bit-identical alone and in
-/// a batch of up to 32. Above, as a packed GEMM (prefill).
-const GEMV_MAX_ROWS: usize = 32;
-
-/// Rows of `x` the fused quantized kernel keeps in registers at once.
-#[cfg(target_arch = "x86_64")]
-const FUSED_ROWS: usize = 8;
-
-/// Weight rows per parallel task of the matrix-vector path.
-const GEMV_BLOCK: usize = 64;
-
-/// `y = x · wᵀ`: `x: [t, k]`, `w: [n, k]` -> `y: [t, n]`, f32.
+/// `y = x · wᵀ`: `x: [t, k]`, `w: [n, k]` -> `y: [t, n]`, f32, with the
+/// arithmetic of [`crate::matmul`] (16-lane fused multiply-adds, a fixed
+/// lane tree), so every row's result is the same for any `t`.
 pub fn matmul_transposed(x: &[f32], t: usize, w: &[f32], n: usize, k: usize) -> Vec<f32> {
     let mut y = vec![0.0f32; t * n];
     matmul_transposed_into(x, t, w, n, k, &mut y, &mut Vec::new());
@@ -397,72 +231,7 @@ fn matmul_transposed_into(
 ) {
     assert_eq!(x.len(), t * k, "matmul_transposed: x is not [t, k]");
     assert_eq!(w.len(), n * k, "matmul_transposed: w is not [n, k]");
-    if t == 0 {
-        return;
-    }
-    if t <= GEMV_MAX_ROWS {
-        // One block of weight rows per task.
-        gemv_into(t, n, y, scratch, |yt| {
-            yt.par_chunks_mut(GEMV_BLOCK * t)
-                .zip(w.par_chunks(GEMV_BLOCK * k))
-                .for_each(|(yt, w)| gemv_block(x, t, k, w, yt))
-        });
-        return;
-    }
-    gemm_xwt_into(x, t, k, w, n, y, 0, n);
-}
-
-/// `yt[j, i] = x_i · w_j` for the weight rows `w: [rows, k]` of one block.
-fn gemv_block(x: &[f32], t: usize, k: usize, w: &[f32], yt: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU supports the features the function is compiled for.
-        return unsafe { gemv_block_avx2(x, t, k, w, yt) };
-    }
-    gemv_block_generic(x, t, k, w, yt)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn gemv_block_avx2(x: &[f32], t: usize, k: usize, w: &[f32], yt: &mut [f32]) {
-    gemv_block_generic(x, t, k, w, yt)
-}
-
-#[inline(always)]
-fn gemv_block_generic(x: &[f32], t: usize, k: usize, w: &[f32], yt: &mut [f32]) {
-    for (w_row, out) in w.chunks_exact(k).zip(yt.chunks_exact_mut(t)) {
-        for (i, o) in out.iter_mut().enumerate() {
-            *o = dot(&x[i * k..(i + 1) * k], w_row);
-        }
-    }
-}
-
-/// Dot product with 16 independent accumulators (vectorizes without
-/// reassociating a single sum).
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    const LANES: usize = 16;
-    let mut acc = [0.0f32; LANES];
-    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (xa, xb) in ca.zip(cb) {
-        for l in 0..LANES {
-            acc[l] += xa[l] * xb[l];
-        }
-    }
-    dot_finish(&acc, tail)
-}
-
-/// The last step of [`dot`]: its accumulators summed in order, plus the
-/// sum of the tail products.
-#[inline(always)]
-fn dot_finish(acc: &[f32; 16], tail: f32) -> f32 {
-    acc.iter().sum::<f32>() + tail
+    matmul::matmul_into(x, t, Weights::F32(w), n, k, y, scratch)
 }
 
 /// RMSNorm over rows of `x: [rows, dim]`: `y = x / sqrt(mean(x²) + eps) * w`.
@@ -547,55 +316,6 @@ mod activation_tests {
                 );
             }
             x += 0.0173;
-        }
-    }
-}
-
-#[cfg(all(test, target_arch = "x86_64"))]
-mod tests {
-    use proptest::prelude::*;
-    use rand::rngs::StdRng;
-    use rand::{Rng, SeedableRng};
-
-    use super::*;
-    use crate::quant::tests::{random_row, AVX2_TYPES};
-
-    proptest! {
-        #![proptest_config(ProptestConfig::with_cases(32))]
-
-        /// Decode-sized quantized products (fused AVX2 path) equal the f32
-        /// product with the dequantized weight bit for bit, and a float64
-        /// reference within rounding.
-        #[test]
-        fn quantized_gemv_matches_dequantized(
-            seed: u64,
-            t in 1usize..=GEMV_MAX_ROWS,
-            n in 1usize..=150,
-            blocks_per_row in 1usize..=3,
-        ) {
-            let mut rng = StdRng::seed_from_u64(seed);
-            for (ty, f16_at) in AVX2_TYPES {
-                let (block_len, _) = ty.block_layout().expect("layout");
-                let k = blocks_per_row * block_len;
-                let data = random_row(ty, f16_at, n * blocks_per_row, &mut rng);
-                let x: Vec<f32> = (0..t * k).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
-                let mut w = vec![f32::NAN; n * k];
-                crate::quant::dequantize("w", ty, &data, k, &mut w).expect("dequantize");
-                let mut got = vec![0.0f32; t * n];
-                matmul_quantized_into(&x, t, ty, &data, n, k, &mut got, &mut Vec::new());
-                let want = matmul_transposed(&x, t, &w, n, k);
-                for i in 0..t {
-                    for j in 0..n {
-                        let (g, e) = (got[i * n + j], want[i * n + j]);
-                        prop_assert_eq!(g.to_bits(), e.to_bits(), "{:?} y[{}, {}]: {} vs {}", ty, i, j, g, e);
-                        let pairs = x[i * k..(i + 1) * k].iter().zip(&w[j * k..(j + 1) * k]);
-                        let (exact, mag) = pairs.fold((0.0f64, 0.0f64), |(s, m), (&a, &b)| {
-                            (s + a as f64 * b as f64, m + (a as f64 * b as f64).abs())
-                        });
-                        prop_assert!((g as f64 - exact).abs() <= 1e-5 * mag + 1e-30, "{:?} y[{}, {}]: {} vs f64 {}", ty, i, j, g, exact);
-                    }
-                }
-            }
         }
     }
 }

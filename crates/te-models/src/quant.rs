@@ -235,11 +235,17 @@ pub fn dequantize(
 /// block layout): `data.len() / block_bytes == out.len() / block_len`, `ty`
 /// one of [`GgmlType::can_dequantize`]. Used for one weight row at a time.
 ///
-/// On x86_64 CPUs with AVX2 and F16C, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and
-/// Q6_K run vectorized; the values are bit-identical to the scalar decoders
-/// (same f32 operations in the same order, no fused multiply-add).
+/// On x86_64 CPUs with AVX-512F, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K run
+/// with 16-lane decoders; with AVX2 and F16C, those and Q5_1 run with
+/// 8-lane ones. The values are bit-identical to the scalar decoders (same
+/// f32 operations in the same order, no fused multiply-add).
 #[inline]
 pub fn dequantize_blocks(ty: GgmlType, data: &[u8], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available(ty) {
+        // SAFETY: `available` checked that the CPU has AVX-512F, AVX2 and F16C.
+        return unsafe { avx512::dequantize_blocks(ty, data, out) };
+    }
     #[cfg(target_arch = "x86_64")]
     if avx2::available(ty) {
         // SAFETY: `available` checked that the CPU has AVX2 and F16C.
@@ -807,6 +813,206 @@ pub(crate) mod avx2 {
     }
 }
 
+/// AVX-512 decoders of whole rows, 16 values per register, bit-identical to
+/// the scalar ones: quants widened to i32 and converted to f32 exactly,
+/// then the scalar decoder's multiply and add or subtract (not fused).
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{k4_scale_min, GgmlType};
+
+    /// Whether `ty` has a decoder here and the CPU can run it.
+    pub(crate) fn available(ty: GgmlType) -> bool {
+        use GgmlType::*;
+        matches!(ty, Q4_0 | Q4_1 | Q5_0 | Q8_0 | Q4_K | Q6_K)
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("f16c")
+    }
+
+    /// [`super::dequantize_blocks`] for a type with [`available`]: each
+    /// group of 32 values from [`group`], stored.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F, AVX2 and F16C; `ty` one of
+    /// [`available`]'s types (others panic).
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    pub(crate) unsafe fn dequantize_blocks(ty: GgmlType, data: &[u8], out: &mut [f32]) {
+        macro_rules! each_group {
+            ($decode:ident) => {
+                for (g, o) in out.chunks_exact_mut(32).enumerate() {
+                    let [lo, hi] = $decode(data, g);
+                    // SAFETY: writes the 32 floats of `o`.
+                    unsafe {
+                        _mm512_storeu_ps(o.as_mut_ptr(), lo);
+                        _mm512_storeu_ps(o.as_mut_ptr().add(16), hi);
+                    }
+                }
+            };
+        }
+        match ty {
+            GgmlType::Q4_0 => each_group!(q4_0),
+            GgmlType::Q4_1 => each_group!(q4_1),
+            GgmlType::Q5_0 => each_group!(q5_0),
+            GgmlType::Q8_0 => each_group!(q8_0),
+            GgmlType::Q4_K => each_group!(q4_k),
+            GgmlType::Q6_K => each_group!(q6_k),
+            _ => unreachable!("avx512::dequantize_blocks: {ty:?} has no decoder"),
+        }
+    }
+
+    /// The little-endian f16 at byte `at`, as f32 (exact).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    fn f16_at(b: &[u8], at: usize) -> f32 {
+        let bits = u16::from_le_bytes([b[at], b[at + 1]]);
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+
+    /// The 16 bytes at `b[at..]`, zero-extended to 16 i32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    fn u8x16(b: &[u8], at: usize) -> __m512i {
+        let b: &[u8; 16] = b[at..at + 16].try_into().expect("16 bytes");
+        // SAFETY: reads the 16 bytes of `b` (no alignment needed).
+        _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(b.as_ptr().cast()) })
+    }
+
+    /// The 16 bytes at `b[at..]`, sign-extended to 16 i32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    fn i8x16(b: &[u8], at: usize) -> __m512i {
+        let b: &[u8; 16] = b[at..at + 16].try_into().expect("16 bytes");
+        // SAFETY: reads the 16 bytes of `b` (no alignment needed).
+        _mm512_cvtepi8_epi32(unsafe { _mm_loadu_si128(b.as_ptr().cast()) })
+    }
+
+    /// `d·q` (one multiply per value).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    fn scale(q: __m512i, d: f32) -> __m512 {
+        _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(q))
+    }
+
+    // Group decoders: `f(row, g)` is elements 32·g .. 32·g + 32 of the
+    // row of blocks `row`, as [elements 0..16, elements 16..32], with the
+    // values of the scalar decoder.
+
+    /// Q4_0 (block g): d·(q − 8).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    pub(crate) fn q4_0(row: &[u8], g: usize) -> [__m512; 2] {
+        let b = &row[18 * g..18 * g + 18];
+        let d = f16_at(b, 0);
+        let q = u8x16(b, 2);
+        let eight = _mm512_set1_epi32(8);
+        let lo = _mm512_sub_epi32(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)), eight);
+        let hi = _mm512_sub_epi32(_mm512_srli_epi32::<4>(q), eight);
+        [scale(lo, d), scale(hi, d)]
+    }
+
+    /// Q4_1 (block g): d·q + m.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    pub(crate) fn q4_1(row: &[u8], g: usize) -> [__m512; 2] {
+        let b = &row[20 * g..20 * g + 20];
+        let (d, m) = (_mm512_set1_ps(f16_at(b, 0)), _mm512_set1_ps(f16_at(b, 2)));
+        let q = u8x16(b, 4);
+        let lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)));
+        let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(q));
+        [
+            _mm512_add_ps(_mm512_mul_ps(d, lo), m),
+            _mm512_add_ps(_mm512_mul_ps(d, hi), m),
+        ]
+    }
+
+    /// Q5_0 (block g): d·(q − 16), the 5th bit of element i bit i of qh.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    pub(crate) fn q5_0(row: &[u8], g: usize) -> [__m512; 2] {
+        let b = &row[22 * g..22 * g + 22];
+        let d = f16_at(b, 0);
+        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        let q = u8x16(b, 6);
+        // Lanes whose bit of qh is set get 16.
+        let sixteen = _mm512_set1_epi32(16);
+        let lo = _mm512_or_si512(
+            _mm512_and_si512(q, _mm512_set1_epi32(0x0F)),
+            _mm512_maskz_mov_epi32(qh as u16, sixteen),
+        );
+        let hi = _mm512_or_si512(
+            _mm512_srli_epi32::<4>(q),
+            _mm512_maskz_mov_epi32((qh >> 16) as u16, sixteen),
+        );
+        [
+            scale(_mm512_sub_epi32(lo, sixteen), d),
+            scale(_mm512_sub_epi32(hi, sixteen), d),
+        ]
+    }
+
+    /// Q8_0 (block g): d·q.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    pub(crate) fn q8_0(row: &[u8], g: usize) -> [__m512; 2] {
+        let b = &row[34 * g..34 * g + 34];
+        let d = f16_at(b, 0);
+        [scale(i8x16(b, 2), d), scale(i8x16(b, 18), d)]
+    }
+
+    /// Q4_K (block g / 8, sub-block j = g % 8): d·scale_j·q − dmin·min_j,
+    /// q nibble j % 2 of qs\[32·(j / 2) ..\].
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    pub(crate) fn q4_k(row: &[u8], g: usize) -> [__m512; 2] {
+        let (blk, j) = (g / 8, g % 8);
+        let b = &row[144 * blk..144 * blk + 144];
+        let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+        let (sc, mn) = k4_scale_min(&b[4..16], j);
+        let (ds, dm) = (_mm512_set1_ps(d * sc), _mm512_set1_ps(dmin * mn));
+        let at = 16 + 32 * (j / 2);
+        let nib = |q: __m512i| {
+            let q = if j % 2 == 0 {
+                _mm512_and_si512(q, _mm512_set1_epi32(0x0F))
+            } else {
+                _mm512_srli_epi32::<4>(q)
+            };
+            _mm512_sub_ps(_mm512_mul_ps(ds, _mm512_cvtepi32_ps(q)), dm)
+        };
+        [nib(u8x16(b, at)), nib(u8x16(b, at + 16))]
+    }
+
+    /// Q6_K (block g / 8, group i = g % 8 = 4·h + r): d·scale·(q − 32).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    pub(crate) fn q6_k(row: &[u8], g: usize) -> [__m512; 2] {
+        let (blk, i) = (g / 8, g % 8);
+        let b = &row[210 * blk..210 * blk + 210];
+        let (h, r) = (i / 4, i % 4);
+        let d = f16_at(b, 208);
+        let half = |l0: usize| {
+            let low = _mm512_and_si512(
+                _mm512_srlv_epi32(
+                    u8x16(b, 64 * h + 32 * (r % 2) + l0),
+                    _mm512_set1_epi32(4 * (r / 2) as i32),
+                ),
+                _mm512_set1_epi32(0x0F),
+            );
+            let high = _mm512_and_si512(
+                _mm512_srlv_epi32(u8x16(b, 128 + 32 * h + l0), _mm512_set1_epi32(2 * r as i32)),
+                _mm512_set1_epi32(3),
+            );
+            let q = _mm512_sub_epi32(
+                _mm512_or_si512(low, _mm512_slli_epi32::<4>(high)),
+                _mm512_set1_epi32(32),
+            );
+            let e = 128 * h + 32 * r + l0;
+            scale(q, d * (b[192 + e / 16] as i8) as f32)
+        };
+        [half(0), half(16)]
+    }
+}
+
 #[cfg(all(test, target_arch = "x86_64"))]
 pub(crate) mod tests {
     use half::f16;
@@ -871,6 +1077,14 @@ pub(crate) mod tests {
                 unsafe { avx2::dequantize_blocks(ty, &data, &mut got) };
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     prop_assert_eq!(g.to_bits(), w.to_bits(), "{:?} element {}: {} vs {}", ty, i, g, w);
+                }
+                if avx512::available(ty) {
+                    got.fill(f32::NAN);
+                    // SAFETY: `available` checked AVX-512F, AVX2 and F16C.
+                    unsafe { avx512::dequantize_blocks(ty, &data, &mut got) };
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        prop_assert_eq!(g.to_bits(), w.to_bits(), "AVX-512 {:?} element {}: {} vs {}", ty, i, g, w);
+                    }
                 }
             }
         }

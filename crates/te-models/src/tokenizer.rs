@@ -66,8 +66,10 @@ fn tok_err(e: impl std::fmt::Display) -> ModelError {
 pub struct Tokenizer {
     /// Splits special (control) tokens out of the text.
     parse_special: tokenizers::Tokenizer,
-    /// The same, with special-token text treated as plain text.
-    plain: tokenizers::Tokenizer,
+    /// The same, with special-token text treated as plain text: a copy of
+    /// `parse_special` made on first use (a 262k-token vocabulary costs
+    /// ~50 MB per copy, and generation never needs this one).
+    plain: std::sync::OnceLock<tokenizers::Tokenizer>,
     /// Vocabulary size with added tokens (computed once: `tokenizers`
     /// copies the whole vocabulary to count it).
     vocab_size: usize,
@@ -398,14 +400,12 @@ impl Tokenizer {
         bos_id: Option<u32>,
         eos_ids: Vec<u32>,
     ) -> Tokenizer {
-        let mut plain = inner.clone();
-        plain.set_encode_special_tokens(true);
         let vocab = inner.get_vocab(true);
         let mut t = Tokenizer {
             vocab_size: vocab.len(),
             max_token_id: vocab.values().copied().max(),
             parse_special: inner,
-            plain,
+            plain: std::sync::OnceLock::new(),
             kind,
             chat_bos: String::new(),
             chat_eos: String::new(),
@@ -444,7 +444,11 @@ impl Tokenizer {
         let inner = if parse_special {
             &self.parse_special
         } else {
-            &self.plain
+            self.plain.get_or_init(|| {
+                let mut plain = self.parse_special.clone();
+                plain.set_encode_special_tokens(true);
+                plain
+            })
         };
         let encoding = inner.encode_fast(text, true).map_err(tok_err)?;
         Ok(encoding.get_ids().to_vec())

@@ -1,0 +1,910 @@
+//! `y = x · Wᵀ` on the CPU: one blocked kernel for every number of rows,
+//! over f32 weights and GGUF block-quantized weights.
+//!
+//! Shapes: `x: [t, k]` f32 row-major (t token rows), `W: [n, k]` (n weight
+//! rows, f32 or GGUF blocks with `k` a multiple of the block length),
+//! `y: [t, n]` f32 row-major.
+//!
+//! # The arithmetic (the contract every path keeps, bit for bit)
+//!
+//! Weights take exactly the values of [`crate::quant::dequantize_blocks`]
+//! (a full dequantization). Each output `y[i, j]` is computed on its own,
+//! in sixteen lanes: lane `l` starts at `+0.0` and accumulates
+//! `x[i, c] · w[j, c]` for `c ≡ l (mod 16)`, `c` increasing, one fused
+//! multiply-add per step (`a = fma(x, w, a)`); in the last group of 16
+//! the columns past `k` count as `fma(0, 0, a)`. The lanes are then summed
+//! as a fixed tree: `s8[l] = a[l] + a[l + 8]`, `s4[l] = s8[l] + s8[l + 4]`,
+//! `s2[l] = s4[l] + s4[l + 2]`, `y = s2[0] + s2[1]`.
+//!
+//! The AVX-512, AVX2 + FMA and portable paths all compute exactly this, so
+//! a row's output is bit-identical whatever `t` is, wherever the row sits
+//! in the batch, and whichever path runs (decode, batched decode and
+//! prefill agree). Worked example: `k = 40` gives lanes 0..8 three
+//! products each (columns l, l + 16, l + 32), lanes 8..16 two products and
+//! one `fma(0, 0, a)`.
+//!
+//! # Blocking
+//!
+//! The weight rows are split over the rayon pool (a task owns a range of
+//! output columns and writes them in place). With AVX-512 and at most 6
+//! token rows, quantized weights are decoded in registers 32 at a time
+//! and multiplied into a 4 weight rows x t token rows tile at once
+//! (decode). Otherwise each task decodes panels of up to 256 KiB of f32
+//! weights (f32 weights are read in place) and runs every register tile
+//! of `x` against the panel, so each weight block is decoded once per
+//! step whatever `t` is: AVX-512 tiles of 4 x 6 (24 of its 32 registers),
+//! walking `k` in 256-column blocks with the accumulators saved between
+//! blocks (exact); AVX2 tiles of 4 x 3, one 8-lane half of the 16 lanes
+//! at a time. Scratch (panels, saved accumulators) comes from the
+//! caller's reused buffer.
+
+use rayon::prelude::*;
+
+use crate::quant::{dequantize_blocks, GgmlType};
+
+/// A weight matrix `[n, k]` as the kernel reads it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Weights<'a> {
+    /// f32, row-major.
+    F32(&'a [f32]),
+    /// GGUF blocks of `ty`, `k / block_len` blocks per row.
+    Quantized { ty: GgmlType, data: &'a [u8] },
+}
+
+/// The instruction set a product runs with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isa {
+    /// AVX-512F with AVX2, F16C and FMA (16-lane registers, masked tail
+    /// loads; quantized weights decoded in registers for few token rows).
+    Avx512,
+    /// AVX2 + FMA (the 16 lanes as two 8-lane halves).
+    Avx2,
+    /// Plain Rust with `f32::mul_add` (any CPU; slow without hardware FMA).
+    Portable,
+}
+
+impl Isa {
+    /// The fastest path this CPU runs, detected once.
+    pub(crate) fn detect() -> Isa {
+        static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *ISA.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                if std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("f16c")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    return Isa::Avx512;
+                }
+                if std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    return Isa::Avx2;
+                }
+            }
+            Isa::Portable
+        })
+    }
+
+    /// Every path this CPU can run (for tests).
+    #[cfg(test)]
+    pub(crate) fn available() -> Vec<Isa> {
+        let mut v = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                v.push(Isa::Avx2);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("f16c")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                v.push(Isa::Avx512);
+            }
+        }
+        v
+    }
+}
+
+/// Bytes of decoded f32 weights per panel (about a quarter of a 1 MiB L2).
+const PANEL_BYTES: usize = 256 * 1024;
+
+/// Weight rows of the register tile.
+const MR: usize = 4;
+
+/// Parallel tasks per pool thread (balance on a machine shared with
+/// other work).
+const TASKS_PER_THREAD: usize = 4;
+
+/// Panel rows for row length `k`: a multiple of [`MR`], at least `MR`.
+fn panel_rows(k: usize) -> usize {
+    (PANEL_BYTES / (4 * k.max(1)) / MR * MR).max(MR)
+}
+
+/// The output `y: [t, n]` shared by the parallel tasks; each task writes
+/// only the columns of its own weight rows, so writes never overlap.
+#[derive(Clone, Copy)]
+struct Out {
+    ptr: *mut f32,
+    /// Row stride (n).
+    n: usize,
+}
+
+// SAFETY: tasks write disjoint columns (see `Out::set`), and the slice
+// outlives the parallel loop that uses the pointer.
+unsafe impl Send for Out {}
+// SAFETY: as above.
+unsafe impl Sync for Out {}
+
+impl Out {
+    /// `y[i, j] = v`.
+    ///
+    /// # Safety
+    /// `i < t` and `j < n` of the `[t, n]` output, and no other task
+    /// writes column `j` during the product.
+    #[inline(always)]
+    unsafe fn set(self, i: usize, j: usize, v: f32) {
+        // SAFETY: in bounds and unshared, as the caller guarantees.
+        unsafe { *self.ptr.add(i * self.n + j) = v }
+    }
+}
+
+/// Up to this many token rows (one AVX-512 register tile), quantized
+/// weights are decoded in registers instead of into a panel.
+#[cfg(target_arch = "x86_64")]
+const FUSED_MAX_ROWS: usize = 6;
+
+/// Whether `ty` has an AVX-512 group decoder for the fused kernels.
+#[cfg(target_arch = "x86_64")]
+fn fused_type(ty: GgmlType) -> bool {
+    use GgmlType::*;
+    matches!(ty, Q4_0 | Q4_1 | Q5_0 | Q8_0 | Q4_K | Q6_K)
+}
+
+/// `y[i, j0 + j] = x_i · w_j` for `rows` weight rows of GGUF blocks
+/// (`data`, `row_bytes` per row) and every row of `x: [t, k]` (`t <=`
+/// [`FUSED_MAX_ROWS`]), decoded in registers. Needs AVX-512 and a type of
+/// [`fused_type`]; the task must own columns `j0 .. j0 + rows` of `y`.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn fused_product(
+    ty: GgmlType,
+    x: &[f32],
+    t: usize,
+    k: usize,
+    data: &[u8],
+    row_bytes: usize,
+    rows: usize,
+    y: Out,
+    j0: usize,
+) {
+    debug_assert!(t <= FUSED_MAX_ROWS && x.len() == t * k);
+    for m0 in (0..rows).step_by(MR) {
+        let mr = MR.min(rows - m0);
+        // Rows past the edge repeat the first one (computed, never stored).
+        let wr: [&[u8]; MR] = std::array::from_fn(|m| {
+            let j = m0 + if m < mr { m } else { 0 };
+            &data[j * row_bytes..(j + 1) * row_bytes]
+        });
+        let mut out = [[0.0f32; 6]; MR];
+        macro_rules! go {
+            ($nr:literal) => {{
+                let xp: [*const f32; $nr] = std::array::from_fn(|r| x[r * k..].as_ptr());
+                // SAFETY: the caller checked AVX-512 (Isa::Avx512, whose
+                // detection includes AVX2, F16C and FMA via avx512f) and
+                // `ty`; each x pointer starts a row of k floats, each w row
+                // holds k weights of `ty`.
+                let o = unsafe {
+                    match ty {
+                        GgmlType::Q4_0 => avx512::fused_q4_0::<$nr>(&xp, &wr, k),
+                        GgmlType::Q4_1 => avx512::fused_q4_1::<$nr>(&xp, &wr, k),
+                        GgmlType::Q5_0 => avx512::fused_q5_0::<$nr>(&xp, &wr, k),
+                        GgmlType::Q8_0 => avx512::fused_q8_0::<$nr>(&xp, &wr, k),
+                        GgmlType::Q4_K => avx512::fused_q4_k::<$nr>(&xp, &wr, k),
+                        GgmlType::Q6_K => avx512::fused_q6_k::<$nr>(&xp, &wr, k),
+                        _ => unreachable!("fused_type"),
+                    }
+                };
+                for m in 0..MR {
+                    out[m][..$nr].copy_from_slice(&o[m]);
+                }
+            }};
+        }
+        match t {
+            1 => go!(1),
+            2 => go!(2),
+            3 => go!(3),
+            4 => go!(4),
+            5 => go!(5),
+            6 => go!(6),
+            _ => unreachable!("at most FUSED_MAX_ROWS token rows"),
+        }
+        for (m, o) in out.iter().enumerate().take(mr) {
+            for (i, &v) in o[..t].iter().enumerate() {
+                // SAFETY: i < t; column j0 + m0 + m is this task's.
+                unsafe { y.set(i, j0 + m0 + m, v) };
+            }
+        }
+    }
+}
+
+/// `y = x · wᵀ` (see the module doc for the exact arithmetic): `x: [t, k]`,
+/// `w: [n, k]`, `y: [t, n]`. `scratch` is grown as needed and reused: per
+/// task, a decoded panel (quantized weights) and the k-blocked kernel's
+/// accumulators.
+pub(crate) fn matmul_into(
+    x: &[f32],
+    t: usize,
+    w: Weights<'_>,
+    n: usize,
+    k: usize,
+    y: &mut [f32],
+    scratch: &mut Vec<f32>,
+) {
+    matmul_into_isa(Isa::detect(), x, t, w, n, k, y, scratch)
+}
+
+/// [`matmul_into`] on the given instruction set (which the CPU must run).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_into_isa(
+    isa: Isa,
+    x: &[f32],
+    t: usize,
+    w: Weights<'_>,
+    n: usize,
+    k: usize,
+    y: &mut [f32],
+    scratch: &mut Vec<f32>,
+) {
+    assert_eq!(x.len(), t * k, "matmul: x is not [t, k]");
+    assert_eq!(y.len(), t * n, "matmul: y is not [t, n]");
+    if let Weights::F32(w) = w {
+        assert_eq!(w.len(), n * k, "matmul: w is not [n, k]");
+    }
+    if t == 0 || n == 0 {
+        return;
+    }
+    let threads = rayon::current_num_threads().max(1);
+    let rows_per_task = n.div_ceil(threads * TASKS_PER_THREAD).div_ceil(MR) * MR;
+    let tasks = n.div_ceil(rows_per_task);
+    let prows = panel_rows(k).min(rows_per_task);
+    // Per task: the decoded panel (quantized weights; f32 weights are read
+    // in place), then the k-blocked kernel's accumulator state.
+    let state_len = STATE_ROWS * prows.div_ceil(MR) * MR * 16;
+    let (row_bytes, panel_len) = match w {
+        Weights::F32(_) => (0, state_len),
+        Weights::Quantized { data, .. } => (data.len() / n, prows * k + state_len),
+    };
+    // scratch: [panels: tasks * panel_len]
+    let need = tasks * panel_len;
+    if scratch.len() < need {
+        scratch.resize(need, 0.0);
+    }
+    let panels = &mut scratch[..need];
+    // Few token rows: decode in registers (AVX-512 group decoders).
+    #[cfg(target_arch = "x86_64")]
+    let fused = isa == Isa::Avx512
+        && t <= FUSED_MAX_ROWS
+        && matches!(w, Weights::Quantized { ty, .. } if fused_type(ty));
+    let out = Out {
+        ptr: y.as_mut_ptr(),
+        n,
+    };
+    panels
+        .par_chunks_mut(panel_len)
+        .enumerate()
+        .for_each(|(ti, panel)| {
+            // This task's weight rows, i.e. columns j0 .. j0 + rows of y.
+            let j0 = ti * rows_per_task;
+            let rows = rows_per_task.min(n - j0);
+            #[cfg(target_arch = "x86_64")]
+            if let (true, Weights::Quantized { ty, data }) = (fused, w) {
+                let data = &data[j0 * row_bytes..(j0 + rows) * row_bytes];
+                fused_product(ty, x, t, k, data, row_bytes, rows, out, j0);
+                return;
+            }
+            for p0 in (0..rows).step_by(prows) {
+                let pr = prows.min(rows - p0);
+                let (r0, r1) = (j0 + p0, j0 + p0 + pr);
+                let (decoded, state) = panel.split_at_mut(panel.len() - state_len);
+                let wp: &[f32] = match w {
+                    Weights::F32(w) => &w[r0 * k..r1 * k],
+                    Weights::Quantized { ty, data } => {
+                        let dst = &mut decoded[..pr * k];
+                        dequantize_blocks(ty, &data[r0 * row_bytes..r1 * row_bytes], dst);
+                        dst
+                    }
+                };
+                #[cfg(target_arch = "x86_64")]
+                if isa == Isa::Avx512 {
+                    panel_product_avx512(x, t, k, wp, pr, state, out, r0);
+                    continue;
+                }
+                panel_product(isa, x, t, k, wp, k, pr, out, r0);
+            }
+        });
+}
+
+/// Columns per k-block of the AVX-512 panel kernel: a 6-row tile of `x`
+/// and a 4-row tile of the panel stay in L1 while the kernel walks them.
+const KC: usize = 256;
+
+/// Token rows per block of the AVX-512 panel kernel (a multiple of its 6
+/// rows per tile); their accumulators live in the task's state buffer
+/// between k-blocks.
+const STATE_ROWS: usize = 48;
+
+/// [`panel_product`] with AVX-512, blocked over `k` as well: for each block
+/// of [`STATE_ROWS`] token rows, the columns are walked in blocks of
+/// [`KC`], each tile's 16-lane accumulators saved to `state` between
+/// blocks and reloaded (exact), so every accumulator still sees its
+/// columns in order and the arithmetic is the module's. `w: [rows, k]`,
+/// `state`: at least `STATE_ROWS * rows.div_ceil(MR) * MR * 16` floats.
+#[cfg(target_arch = "x86_64")]
+fn panel_product_avx512(
+    x: &[f32],
+    t: usize,
+    k: usize,
+    w: &[f32],
+    rows: usize,
+    state: &mut [f32],
+    y: Out,
+    j0: usize,
+) {
+    const NR: usize = 6;
+    let tiles_m = rows.div_ceil(MR);
+    assert!(
+        state.len() >= STATE_ROWS * tiles_m * MR * 16,
+        "panel_product_avx512: short state"
+    );
+    assert!(
+        w.len() >= rows * k && x.len() >= t * k,
+        "panel_product_avx512: short input"
+    );
+    for b0 in (0..t).step_by(STATE_ROWS) {
+        let bt = STATE_ROWS.min(t - b0);
+        for c0 in (0..k).step_by(KC) {
+            let c1 = (c0 + KC).min(k);
+            for i0 in (b0..b0 + bt).step_by(NR) {
+                let nr = NR.min(b0 + bt - i0);
+                for m0 in (0..rows).step_by(MR) {
+                    let mr = MR.min(rows - m0);
+                    // Tile rows past the edge repeat the first one
+                    // (computed, never stored).
+                    let wp: [*const f32; MR] = std::array::from_fn(|m| {
+                        w[(m0 + if m < mr { m } else { 0 }) * k..].as_ptr()
+                    });
+                    let slot = ((i0 - b0) / NR * tiles_m + m0 / MR) * MR * NR * 16;
+                    let st = state[slot..slot + MR * NR * 16].as_mut_ptr();
+                    macro_rules! go {
+                        ($nr:literal) => {{
+                            let xp: [*const f32; $nr] =
+                                std::array::from_fn(|r| x[(i0 + r) * k..].as_ptr());
+                            // SAFETY: the CPU has AVX-512F (Isa::Avx512);
+                            // every x and w pointer starts k readable floats
+                            // (asserted above); `st` has MR * NR * 16 floats.
+                            unsafe { avx512::tile_block::<$nr>(&xp, &wp, c0, c1, k, st, c0 == 0) }
+                        }};
+                    }
+                    match nr {
+                        1 => go!(1),
+                        2 => go!(2),
+                        3 => go!(3),
+                        4 => go!(4),
+                        5 => go!(5),
+                        6 => go!(6),
+                        _ => unreachable!("at most 6 token rows per tile"),
+                    }
+                    if c1 == k {
+                        for m in 0..mr {
+                            for r in 0..nr {
+                                let lanes: &[f32; 16] = state[slot + (m * nr + r) * 16..][..16]
+                                    .try_into()
+                                    .expect("16 lanes");
+                                // SAFETY: i0 + r < t; column j0 + m0 + m
+                                // is this task's.
+                                unsafe { y.set(i0 + r, j0 + m0 + m, reduce16(lanes)) };
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `y[i, j0 + j] = x_i · w_j` for the `rows` weight rows of one panel
+/// (`w`, row stride `ldw`) and every row of `x: [t, k]`; the task must own
+/// columns `j0 .. j0 + rows` of `y`.
+#[allow(clippy::too_many_arguments)]
+fn panel_product(
+    isa: Isa,
+    x: &[f32],
+    t: usize,
+    k: usize,
+    w: &[f32],
+    ldw: usize,
+    rows: usize,
+    y: Out,
+    j0: usize,
+) {
+    let nr_max = match isa {
+        Isa::Avx512 => unreachable!("AVX-512 panels run in panel_product_avx512"),
+        Isa::Avx2 => 3,
+        Isa::Portable => 4,
+    };
+    for i0 in (0..t).step_by(nr_max) {
+        let nr = nr_max.min(t - i0);
+        for m0 in (0..rows).step_by(MR) {
+            let mr = MR.min(rows - m0);
+            // Pointers to the tile's rows; rows past the edge repeat the
+            // first one (computed, never stored).
+            let xr: [usize; 6] = std::array::from_fn(|r| (i0 + if r < nr { r } else { 0 }) * k);
+            let wr: [usize; MR] = std::array::from_fn(|m| (m0 + if m < mr { m } else { 0 }) * ldw);
+            let mut out = [[0.0f32; 6]; MR];
+            tile(isa, x, &xr[..nr], w, &wr, k, &mut out);
+            for (m, o) in out.iter().enumerate().take(mr) {
+                for (r, &v) in o[..nr].iter().enumerate() {
+                    // SAFETY: i0 + r < t; column j0 + m0 + m is this task's.
+                    unsafe { y.set(i0 + r, j0 + m0 + m, v) };
+                }
+            }
+        }
+    }
+}
+
+/// One register tile: `out[m][r] = x[xr[r]..][..k] · w[wr[m]..][..k]` for
+/// `r < xr.len()` (at most 6), dispatched to the instruction set and to a
+/// kernel specialized for the tile's number of token rows.
+fn tile(
+    isa: Isa,
+    x: &[f32],
+    xr: &[usize],
+    w: &[f32],
+    wr: &[usize; MR],
+    k: usize,
+    out: &mut [[f32; 6]; MR],
+) {
+    // Every offset is a whole row inside its slice.
+    debug_assert!(xr.iter().all(|&o| o + k <= x.len()));
+    debug_assert!(wr.iter().all(|&o| o + k <= w.len()));
+    match isa {
+        Isa::Avx512 => unreachable!("AVX-512 panels run in panel_product_avx512"),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => {
+            macro_rules! go {
+                ($nr:literal) => {{
+                    let xp: [*const f32; $nr] = std::array::from_fn(|r| x[xr[r]..].as_ptr());
+                    let wp: [*const f32; MR] = std::array::from_fn(|m| w[wr[m]..].as_ptr());
+                    // SAFETY: the CPU has AVX2 and FMA (Isa::detect /
+                    // available); each pointer starts a row of k readable floats.
+                    let o = unsafe { avx2::tile::<$nr>(&xp, &wp, k) };
+                    for m in 0..MR {
+                        out[m][..$nr].copy_from_slice(&o[m]);
+                    }
+                }};
+            }
+            match xr.len() {
+                1 => go!(1),
+                2 => go!(2),
+                3 => go!(3),
+                _ => unreachable!("at most 3 token rows per AVX2 tile"),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Isa::Avx2 => unreachable!("x86_64 only"),
+        Isa::Portable => {
+            for (m, &wo) in wr.iter().enumerate() {
+                for (r, &xo) in xr.iter().enumerate() {
+                    out[m][r] = dot_portable(&x[xo..xo + k], &w[wo..wo + k]);
+                }
+            }
+        }
+    }
+}
+
+/// The module's arithmetic for one pair of rows, in plain Rust: the
+/// reference every SIMD path equals bit for bit.
+pub(crate) fn dot_portable(x: &[f32], w: &[f32]) -> f32 {
+    let mut a = [0.0f32; 16];
+    for c0 in (0..x.len()).step_by(16) {
+        for (l, a) in a.iter_mut().enumerate() {
+            let (xv, wv) = match (x.get(c0 + l), w.get(c0 + l)) {
+                (Some(&xv), Some(&wv)) => (xv, wv),
+                _ => (0.0, 0.0),
+            };
+            *a = xv.mul_add(wv, *a);
+        }
+    }
+    reduce16(&a)
+}
+
+/// The lane tree of the module doc.
+#[inline(always)]
+fn reduce16(a: &[f32; 16]) -> f32 {
+    let s8: [f32; 8] = std::array::from_fn(|l| a[l] + a[l + 8]);
+    let s4: [f32; 4] = std::array::from_fn(|l| s8[l] + s8[l + 4]);
+    let s2: [f32; 2] = std::array::from_fn(|l| s4[l] + s4[l + 2]);
+    s2[0] + s2[1]
+}
+
+#[cfg(target_arch = "x86_64")]
+// Index loops over the register tile read as the math does (acc[m][r]).
+#[allow(clippy::needless_range_loop)]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::MR;
+
+    /// Columns `c0..c1` of a tile's products (`c0` a multiple of 16; the
+    /// last group masked when `c1 == k` is not), continuing the 16-lane
+    /// accumulators saved at `state[(m · NR + r) · 16 ..][..16]` (zeros
+    /// when `first`) and saving them back there.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F; every pointer must start `k`
+    /// readable floats; `state` must hold `MR · NR · 16` floats.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn tile_block<const NR: usize>(
+        x: &[*const f32; NR],
+        w: &[*const f32; MR],
+        c0: usize,
+        c1: usize,
+        k: usize,
+        state: *mut f32,
+        first: bool,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); NR]; MR];
+        if !first {
+            for m in 0..MR {
+                for r in 0..NR {
+                    // SAFETY: inside the MR · NR · 16 floats of `state`.
+                    acc[m][r] = unsafe { _mm512_loadu_ps(state.add((m * NR + r) * 16)) };
+                }
+            }
+        }
+        let full = if c1 == k {
+            c0 + (c1 - c0) / 16 * 16
+        } else {
+            c1
+        };
+        let mut c = c0;
+        while c < full {
+            let mut xv = [_mm512_setzero_ps(); NR];
+            for r in 0..NR {
+                // SAFETY: c + 16 <= k for every row.
+                xv[r] = unsafe { _mm512_loadu_ps(x[r].add(c)) };
+            }
+            for m in 0..MR {
+                // SAFETY: as above.
+                let wv = unsafe { _mm512_loadu_ps(w[m].add(c)) };
+                for r in 0..NR {
+                    acc[m][r] = _mm512_fmadd_ps(xv[r], wv, acc[m][r]);
+                }
+            }
+            c += 16;
+        }
+        if c < c1 {
+            let mask: __mmask16 = ((1u32 << (c1 - c)) - 1) as u16;
+            let mut xv = [_mm512_setzero_ps(); NR];
+            for r in 0..NR {
+                // SAFETY: masked loads read only columns < k.
+                xv[r] = unsafe { _mm512_maskz_loadu_ps(mask, x[r].add(c)) };
+            }
+            for m in 0..MR {
+                // SAFETY: as above.
+                let wv = unsafe { _mm512_maskz_loadu_ps(mask, w[m].add(c)) };
+                for r in 0..NR {
+                    acc[m][r] = _mm512_fmadd_ps(xv[r], wv, acc[m][r]);
+                }
+            }
+        }
+        for m in 0..MR {
+            for r in 0..NR {
+                // SAFETY: inside the MR · NR · 16 floats of `state`.
+                unsafe { _mm512_storeu_ps(state.add((m * NR + r) * 16), acc[m][r]) };
+            }
+        }
+    }
+
+    /// A kernel like [`tile`] for weight rows in GGUF blocks, decoded in
+    /// registers 32 values at a time by `$decode` (`crate::quant::avx512`)
+    /// and multiplied in at once: the same values and the same lanes as
+    /// decoding a panel first, without storing it (decode, `t` small).
+    macro_rules! fused {
+        ($name:ident, $decode:path, $groups_per_block:literal) => {
+            /// # Safety
+            /// The CPU must support AVX-512F, AVX2, F16C and FMA; every `x`
+            /// pointer must start `k` readable floats; each `w` row holds
+            /// `k` weights of the decoder's type (`k` a multiple of 32).
+            #[target_feature(enable = "avx512f,avx2,f16c,fma")]
+            pub(super) unsafe fn $name<const NR: usize>(
+                x: &[*const f32; NR],
+                w: &[&[u8]; MR],
+                k: usize,
+            ) -> [[f32; NR]; MR] {
+                let mut acc = [[_mm512_setzero_ps(); NR]; MR];
+                // Block by block, each weight row's groups in order (so
+                // every accumulator still sees its columns in increasing
+                // order); the unrolled groups of one block share its
+                // scale decoding.
+                for blk in 0..k / (32 * $groups_per_block) {
+                    for m in 0..MR {
+                        for sub in 0..$groups_per_block {
+                            let g = $groups_per_block * blk + sub;
+                            let c = 32 * g;
+                            let [v0, v1] = $decode(w[m], g);
+                            for r in 0..NR {
+                                // SAFETY: c + 32 <= k for every row.
+                                let (x0, x1) = unsafe {
+                                    (
+                                        _mm512_loadu_ps(x[r].add(c)),
+                                        _mm512_loadu_ps(x[r].add(c + 16)),
+                                    )
+                                };
+                                acc[m][r] = _mm512_fmadd_ps(x0, v0, acc[m][r]);
+                                acc[m][r] = _mm512_fmadd_ps(x1, v1, acc[m][r]);
+                            }
+                        }
+                    }
+                }
+                let mut out = [[0.0f32; NR]; MR];
+                for m in 0..MR {
+                    for r in 0..NR {
+                        out[m][r] = reduce(acc[m][r]);
+                    }
+                }
+                out
+            }
+        };
+    }
+    fused!(fused_q4_0, crate::quant::avx512::q4_0, 1);
+    fused!(fused_q4_1, crate::quant::avx512::q4_1, 1);
+    fused!(fused_q5_0, crate::quant::avx512::q5_0, 1);
+    fused!(fused_q8_0, crate::quant::avx512::q8_0, 1);
+    fused!(fused_q4_k, crate::quant::avx512::q4_k, 8);
+    fused!(fused_q6_k, crate::quant::avx512::q6_k, 8);
+
+    /// The lane tree: `s8 = lanes 0..8 + lanes 8..16`, then halves again.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn reduce(a: __m512) -> f32 {
+        let lo = _mm512_castps512_ps256(a);
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
+        super::avx2::reduce8(_mm256_add_ps(lo, hi))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+// Index loops over the register tile read as the math does (acc[m][r]).
+#[allow(clippy::needless_range_loop)]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::MR;
+
+    /// `out[m][r] = x_r · w_m` over `k` columns, in the module's 16 lanes:
+    /// lanes 0..8 over all of `k` first, then lanes 8..16.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; every pointer must start `k`
+    /// readable floats.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn tile<const NR: usize>(
+        x: &[*const f32; NR],
+        w: &[*const f32; MR],
+        k: usize,
+    ) -> [[f32; NR]; MR] {
+        let k16 = k / 16 * 16;
+        let mut halves = [[[_mm256_setzero_ps(); NR]; MR]; 2];
+        for (h, half) in halves.iter_mut().enumerate() {
+            let mut acc = [[_mm256_setzero_ps(); NR]; MR];
+            let mut c = 8 * h;
+            while c < k16 {
+                let mut xv = [_mm256_setzero_ps(); NR];
+                for r in 0..NR {
+                    // SAFETY: c + 8 <= k16 <= k.
+                    xv[r] = unsafe { _mm256_loadu_ps(x[r].add(c)) };
+                }
+                for m in 0..MR {
+                    // SAFETY: as above.
+                    let wv = unsafe { _mm256_loadu_ps(w[m].add(c)) };
+                    for r in 0..NR {
+                        acc[m][r] = _mm256_fmadd_ps(xv[r], wv, acc[m][r]);
+                    }
+                }
+                c += 16;
+            }
+            if k16 < k {
+                // Lanes 8h..8h+8 of the last group: columns k16 + 8h + l < k.
+                let valid = (k - k16) as i32 - 8 * h as i32;
+                let mask = _mm256_cmpgt_epi32(
+                    _mm256_set1_epi32(valid),
+                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                );
+                let c = k16 + 8 * h;
+                let mut xv = [_mm256_setzero_ps(); NR];
+                for r in 0..NR {
+                    // SAFETY: masked loads read only columns < k.
+                    xv[r] = unsafe { _mm256_maskload_ps(x[r].add(c), mask) };
+                }
+                for m in 0..MR {
+                    // SAFETY: as above.
+                    let wv = unsafe { _mm256_maskload_ps(w[m].add(c), mask) };
+                    for r in 0..NR {
+                        acc[m][r] = _mm256_fmadd_ps(xv[r], wv, acc[m][r]);
+                    }
+                }
+            }
+            *half = acc;
+        }
+        let [lo, hi] = halves;
+        let mut out = [[0.0f32; NR]; MR];
+        for m in 0..MR {
+            for r in 0..NR {
+                out[m][r] = reduce8(_mm256_add_ps(lo[m][r], hi[m][r]));
+            }
+        }
+        out
+    }
+
+    /// The lane tree from `s8`: `s4 = s8[0..4] + s8[4..8]`, `s2 = s4[0..2]
+    /// + s4[2..4]`, `s2[0] + s2[1]`.
+    #[inline]
+    #[target_feature(enable = "avx")]
+    pub(super) fn reduce8(s8: __m256) -> f32 {
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use half::{bf16, f16};
+    use proptest::prelude::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    use super::*;
+
+    /// Every type a [`Weights::Quantized`] may hold, with the byte offsets
+    /// of its f16 fields in a block.
+    const TYPES: [(GgmlType, &[usize]); 13] = [
+        (GgmlType::F32, &[]),
+        (GgmlType::F16, &[]),
+        (GgmlType::BF16, &[]),
+        (GgmlType::Q4_0, &[0]),
+        (GgmlType::Q4_1, &[0, 2]),
+        (GgmlType::Q5_0, &[0]),
+        (GgmlType::Q5_1, &[0, 2]),
+        (GgmlType::Q8_0, &[0]),
+        (GgmlType::Q2_K, &[80, 82]),
+        (GgmlType::Q3_K, &[108]),
+        (GgmlType::Q4_K, &[0, 2]),
+        (GgmlType::Q5_K, &[0, 2]),
+        (GgmlType::Q6_K, &[208]),
+    ];
+
+    /// `n` rows of `k` random weights of type `ty` (finite values: f16
+    /// fields are random finite halves, subnormals and zeros included).
+    fn random_weights(
+        ty: GgmlType,
+        f16_at: &[usize],
+        n: usize,
+        k: usize,
+        rng: &mut StdRng,
+    ) -> Vec<u8> {
+        let value = |rng: &mut StdRng| rng.gen_range(-2.0f32..2.0);
+        match ty {
+            GgmlType::F32 => (0..n * k).flat_map(|_| value(rng).to_le_bytes()).collect(),
+            GgmlType::F16 => (0..n * k)
+                .flat_map(|_| f16::from_f32(value(rng)).to_le_bytes())
+                .collect(),
+            GgmlType::BF16 => (0..n * k)
+                .flat_map(|_| bf16::from_f32(value(rng)).to_le_bytes())
+                .collect(),
+            _ => {
+                let (block_len, block_bytes) = ty.block_layout().expect("layout");
+                let blocks = n * k / block_len;
+                let mut data: Vec<u8> = (0..blocks * block_bytes).map(|_| rng.gen()).collect();
+                for block in data.chunks_exact_mut(block_bytes) {
+                    for &at in f16_at {
+                        let mut h = f16::from_bits(rng.gen());
+                        if !h.is_finite() {
+                            h = f16::from_bits(h.to_bits() & !0x4000);
+                        }
+                        block[at..at + 2].copy_from_slice(&h.to_le_bytes());
+                    }
+                }
+                data
+            }
+        }
+    }
+
+    fn run(isa: Isa, x: &[f32], t: usize, w: Weights<'_>, n: usize, k: usize) -> Vec<f32> {
+        let mut y = vec![f32::NAN; t * n];
+        // Poisoned scratch: every value the kernel reads from it is written first.
+        let mut scratch = vec![f32::NAN; 7];
+        matmul_into_isa(isa, x, t, w, n, k, &mut y, &mut scratch);
+        y
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(12))]
+
+        /// A row's output is bit-identical alone and at any position of a
+        /// batch of 7, 8, 33, 100 or 512 rows, on every instruction set
+        /// this CPU runs, for every weight type; every instruction set
+        /// equals the portable path bit for bit; and the result is within
+        /// rounding of a float64 dot product of the dequantized weights.
+        #[test]
+        fn rows_bit_identical_for_every_t(
+            seed: u64,
+            type_index in 0usize..TYPES.len(),
+            n in 1usize..=21,
+            blocks in 1usize..=2,
+            f32_k in 1usize..=70,
+        ) {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let (ty, f16_at) = TYPES[type_index];
+            let (block_len, _) = ty.block_layout().expect("layout");
+            let k = if block_len == 1 { f32_k } else { blocks * block_len };
+            let data = random_weights(ty, f16_at, n, k, &mut rng);
+            let mut wf = vec![f32::NAN; n * k];
+            crate::quant::dequantize("w", ty, &data, k, &mut wf).expect("dequantize");
+            let weights = [Weights::Quantized { ty, data: &data }, Weights::F32(&wf)];
+            let row: Vec<f32> = (0..k).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+            let want = run(Isa::Portable, &row, 1, weights[0], n, k);
+            // Float64 reference of the dequantized weights.
+            for (j, &g) in want.iter().enumerate() {
+                let (exact, mag) = row.iter().zip(&wf[j * k..(j + 1) * k]).fold(
+                    (0.0f64, 0.0f64),
+                    |(s, m), (&a, &b)| (s + a as f64 * b as f64, m + (a as f64 * b as f64).abs()),
+                );
+                prop_assert!(
+                    (g as f64 - exact).abs() <= 1e-6 * mag + 1e-30,
+                    "{:?} column {}: {} vs f64 {}", ty, j, g, exact
+                );
+            }
+            for isa in Isa::available() {
+                for w in weights {
+                    for t in [1usize, 7, 8, 33, 100, 512] {
+                        let at = [0, t / 2, t - 1, rng.gen_range(0..t)];
+                        for p in at {
+                            let mut x: Vec<f32> =
+                                (0..t * k).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+                            x[p * k..(p + 1) * k].copy_from_slice(&row);
+                            let y = run(isa, &x, t, w, n, k);
+                            for (j, (&g, &e)) in y[p * n..(p + 1) * n].iter().zip(&want).enumerate() {
+                                prop_assert_eq!(
+                                    g.to_bits(), e.to_bits(),
+                                    "{:?} {:?} t {} row {} column {}: {} vs {}", isa, ty, t, p, j, g, e
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The lane tree and the zero-padded tail, by hand: 40 columns put
+    /// three products in lanes 0..8 and two in lanes 8..16.
+    #[test]
+    fn portable_dot_by_hand() {
+        let x: Vec<f32> = (0..40).map(|c| c as f32).collect();
+        let w = vec![1.0f32; 40];
+        let want: f32 = (0..40).map(|c| c as f32).sum();
+        assert_eq!(dot_portable(&x, &w), want);
+        for isa in Isa::available() {
+            let y = run(isa, &x, 1, Weights::F32(&w), 1, 40);
+            assert_eq!(y[0], want, "{isa:?}");
+        }
+    }
+}
