@@ -455,7 +455,7 @@ impl TensorSource for RandomTensors {
             t.shape.clone(),
             WeightData::Quantized {
                 ty: GgmlType::BF16,
-                data,
+                data: data.into(),
             },
         ))
     }
