@@ -813,16 +813,7 @@ impl DotProductAttention {
         lse: Option<&mut [f32]>,
         ws: &mut AttentionWorkspace,
     ) -> Result<(), AttentionError> {
-        self.plan_into(
-            q.len(),
-            &kv.lens(),
-            meta,
-            out.len(),
-            lse.as_ref().map(|l| l.len()),
-            &mut ws.plan,
-        )?;
-        crate::cpu::forward(self, &ws.plan, q, kv, meta, out, lse, &mut ws.cpu);
-        Ok(())
+        self.forward_cpu_planned(q, kv, meta, None, out, lse, ws)
     }
 
     /// [`forward_cpu_with`](Self::forward_cpu_with) where queries and keys
@@ -845,6 +836,21 @@ impl DotProductAttention {
         lse: Option<&mut [f32]>,
         ws: &mut AttentionWorkspace,
     ) -> Result<(), AttentionError> {
+        self.forward_cpu_planned(q, kv, meta, Some(positions), out, lse, ws)
+    }
+
+    /// Validates, plans (key bounds from `positions` when given) and runs
+    /// the CPU kernel: the body of both CPU forwards.
+    fn forward_cpu_planned<T: Element, O: Element>(
+        &self,
+        q: &[T],
+        kv: KvInput<'_, T>,
+        meta: &AttnMetadata<'_>,
+        positions: Option<&Positions<'_>>,
+        out: &mut [O],
+        lse: Option<&mut [f32]>,
+        ws: &mut AttentionWorkspace,
+    ) -> Result<(), AttentionError> {
         self.plan_into(
             q.len(),
             &kv.lens(),
@@ -853,7 +859,9 @@ impl DotProductAttention {
             lse.as_ref().map(|l| l.len()),
             &mut ws.plan,
         )?;
-        positions.apply(self, &mut ws.plan)?;
+        if let Some(p) = positions {
+            p.apply(self, &mut ws.plan)?;
+        }
         crate::cpu::forward(self, &ws.plan, q, kv, meta, out, lse, &mut ws.cpu);
         Ok(())
     }
