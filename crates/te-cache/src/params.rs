@@ -389,7 +389,6 @@ impl<S: KvStorage> InferenceParams<S> {
         );
         Ok((layout, &mut self.storage))
     }
-
 }
 
 /// The error of a host-memory operation on device storage.

@@ -40,8 +40,13 @@ pub trait DeviceOps {
     /// Makes `buf` hold exactly `len` values (contents unspecified).
     fn resize(&mut self, buf: &mut Self::Buf, len: usize) -> Result<()>;
     /// `y: [t, out] = x: [t, in] · Wᵀ (+ bias)`.
-    fn linear(&mut self, w: &Self::Linear, x: &Self::Buf, t: usize, y: &mut Self::Buf)
-        -> Result<()>;
+    fn linear(
+        &mut self,
+        w: &Self::Linear,
+        x: &Self::Buf,
+        t: usize,
+        y: &mut Self::Buf,
+    ) -> Result<()>;
     /// `y = RMSNorm(x) * w` over rows of `w`'s length (`x`, `y` same shape).
     fn rms_norm_into(
         &mut self,
@@ -105,7 +110,13 @@ impl DeviceOps for Cpu {
         Ok(())
     }
 
-    fn rms_norm_into(&mut self, x: &Vec<f32>, w: &Vec<f32>, eps: f32, y: &mut Vec<f32>) -> Result<()> {
+    fn rms_norm_into(
+        &mut self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        eps: f32,
+        y: &mut Vec<f32>,
+    ) -> Result<()> {
         rms_norm_into(x, w, eps, y);
         Ok(())
     }
@@ -136,7 +147,13 @@ impl DeviceOps for Cpu {
         Ok(())
     }
 
-    fn embed(&mut self, table: &Linear, tokens: &[u32], scale: f32, x: &mut Vec<f32>) -> Result<()> {
+    fn embed(
+        &mut self,
+        table: &Linear,
+        tokens: &[u32],
+        scale: f32,
+        x: &mut Vec<f32>,
+    ) -> Result<()> {
         embed_rows(table, tokens, scale, x);
         Ok(())
     }

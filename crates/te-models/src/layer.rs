@@ -169,7 +169,16 @@ impl Layer {
         let args = |heads| RopeArgs::thd(self.convention, heads, d, rows.rope_cu, rows.rope_start);
         dev.rope(q, rope, &args(hq))?;
         dev.rope(k, rope, &args(hkv))?;
-        attend(self, dev, Qkv { q: &*q, k: &*k, v: &*v }, attn)?;
+        attend(
+            self,
+            dev,
+            Qkv {
+                q: &*q,
+                k: &*k,
+                v: &*v,
+            },
+            attn,
+        )?;
         dev.linear(&w.o_proj, attn, t, o)?; // [t, hidden]
         if let Some(post) = &w.post_attn_norm {
             dev.rms_norm_inplace(o, post, self.eps)?;

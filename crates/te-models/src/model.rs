@@ -190,7 +190,10 @@ impl Model {
         self.forward_on(
             &mut ws.cpu,
             &self.weights,
-            [&self.rope_global, self.rope_local.as_ref().unwrap_or(&self.rope_global)],
+            [
+                &self.rope_global,
+                self.rope_local.as_ref().unwrap_or(&self.rope_global),
+            ],
             tokens,
             rows,
             &ws.rows,

@@ -105,11 +105,15 @@ pub(crate) fn load_cublas(stream: &Arc<CudaStream>) -> Option<CudaBlas> {
     match std::panic::catch_unwind(|| CudaBlas::new(stream.clone())) {
         Ok(Ok(blas)) => Some(blas),
         Ok(Err(e)) => {
-            eprintln!("note: cuBLAS failed to start ({e:?}): the products run on te-rs' GEMM kernel");
+            eprintln!(
+                "note: cuBLAS failed to start ({e:?}): the products run on te-rs' GEMM kernel"
+            );
             None
         }
         Err(_) => {
-            eprintln!("note: cuBLAS panicked while loading: the products run on te-rs' GEMM kernel");
+            eprintln!(
+                "note: cuBLAS panicked while loading: the products run on te-rs' GEMM kernel"
+            );
             None
         }
     }
@@ -150,7 +154,9 @@ impl CudaModel {
         let weights = model.weights.try_map(
             |l: &Linear| -> Result<CudaLinear> {
                 Ok(CudaLinear {
-                    weight: stream.clone_htod(&to_bf16(l)).map_err(|e| cuda_err("upload", e))?,
+                    weight: stream
+                        .clone_htod(&to_bf16(l))
+                        .map_err(|e| cuda_err("upload", e))?,
                     bias: match &l.bias {
                         Some(b) => Some(stream.clone_htod(b).map_err(|e| cuda_err("upload", e))?),
                         None => None,
@@ -163,7 +169,9 @@ impl CudaModel {
         )?;
         let (global, local) = model.rope_tables();
         let rope_global = CudaRopeTable::new(&cuda.dev, global)?;
-        let rope_local = local.map(|t| CudaRopeTable::new(&cuda.dev, t)).transpose()?;
+        let rope_local = local
+            .map(|t| CudaRopeTable::new(&cuda.dev, t))
+            .transpose()?;
         Ok(CudaModel {
             cuda: std::sync::Mutex::new(cuda),
             weights,
@@ -174,7 +182,9 @@ impl CudaModel {
 
     /// The GEMM in use.
     pub fn gemm_backend(&self) -> GemmBackend {
-        self.cuda.lock().map_or(GemmBackend::Kernel, |c| c.gemm_backend())
+        self.cuda
+            .lock()
+            .map_or(GemmBackend::Kernel, |c| c.gemm_backend())
     }
 
     /// The stream everything runs on.
@@ -228,9 +238,12 @@ impl Model {
         ws: &'w mut crate::layer::Workspace,
     ) -> Result<StepOutput<'w>> {
         match &self.cuda {
-            None => Ok(StepOutput::Logits(
-                self.forward_with(tokens, cache, Logits::Last, ws)?,
-            )),
+            None => Ok(StepOutput::Logits(self.forward_with(
+                tokens,
+                cache,
+                Logits::Last,
+                ws,
+            )?)),
             Some(cm) => self.forward_cuda(cm, tokens, cache, greedy, ws),
         }
     }
@@ -260,7 +273,9 @@ impl Model {
         let take = |b: &mut Option<CudaSlice<f32>>| -> Result<CudaSlice<f32>> {
             match b.take() {
                 Some(b) => Ok(b),
-                None => stream.alloc_zeros::<f32>(0).map_err(|e| cuda_err("alloc", e)),
+                None => stream
+                    .alloc_zeros::<f32>(0)
+                    .map_err(|e| cuda_err("alloc", e)),
             }
         };
         let mut layer_bufs = [(); 8].map(|_| None);
@@ -268,20 +283,27 @@ impl Model {
             *dst = Some(take(src)?);
         }
         let mut layer: [CudaSlice<f32>; 8] = layer_bufs.map(|b| b.expect("filled above"));
-        let (mut x, mut h, mut logits) = (take(&mut cw.x)?, take(&mut cw.h)?, take(&mut cw.logits)?);
+        let (mut x, mut h, mut logits) =
+            (take(&mut cw.x)?, take(&mut cw.h)?, take(&mut cw.logits)?);
         let rows = Rows {
             t,
             rope_cu: plan.cu_seqlens_q(),
             rope_start: plan.start_positions(),
         };
         let result = {
-            let mut attend = |l: &Layer, dev: &mut Cuda, qkv: Qkv<'_, CudaSlice<f32>>, out: &mut CudaSlice<f32>| {
+            let mut attend = |l: &Layer,
+                              dev: &mut Cuda,
+                              qkv: Qkv<'_, CudaSlice<f32>>,
+                              out: &mut CudaSlice<f32>| {
                 attend_cuda(l, dev, cache, &plan, qkv, out)
             };
             self.forward_on(
                 &mut *cuda,
                 &cm.weights,
-                [&cm.rope_global, cm.rope_local.as_ref().unwrap_or(&cm.rope_global)],
+                [
+                    &cm.rope_global,
+                    cm.rope_local.as_ref().unwrap_or(&cm.rope_global),
+                ],
                 tokens,
                 rows,
                 &ws.rows,
@@ -300,7 +322,10 @@ impl Model {
                 let b = ws.rows.len();
                 let mut ids = match cw.ids.take() {
                     Some(ids) if ids.len() == b => ids,
-                    _ => cuda.stream().alloc_zeros::<u32>(b).map_err(|e| cuda_err("alloc", e))?,
+                    _ => cuda
+                        .stream()
+                        .alloc_zeros::<u32>(b)
+                        .map_err(|e| cuda_err("alloc", e))?,
                 };
                 let r = cuda
                     .argmax(&logits, vocab, &mut ids)
@@ -398,6 +423,8 @@ fn attend_cuda(
     };
     let q = qkv.q.slice(..);
     let mut o = out.slice_mut(..);
-    layer.attention.forward_cuda(&dev.dev, &q, &kv, &meta, &mut o, None)?;
+    layer
+        .attention
+        .forward_cuda(&dev.dev, &q, &kv, &meta, &mut o, None)?;
     Ok(())
 }

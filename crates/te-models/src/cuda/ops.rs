@@ -12,9 +12,7 @@
 use std::sync::Arc;
 
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
-use cudarc::driver::{
-    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use half::bf16;
 use te_kernels::cuda::{apply_rope_cuda, CudaDevice, CudaRopeTable, KernelSource, LaunchShape};
 use te_kernels::rope::RopeArgs;
@@ -114,7 +112,9 @@ impl std::fmt::Debug for Cuda {
 }
 
 fn elementwise(n: usize) -> LaunchConfig {
-    let blocks = n.div_ceil(OPS_THREADS as usize).clamp(1, MAX_ELEMENTWISE_BLOCKS);
+    let blocks = n
+        .div_ceil(OPS_THREADS as usize)
+        .clamp(1, MAX_ELEMENTWISE_BLOCKS);
     LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
         block_dim: (OPS_THREADS, 1, 1),
@@ -186,7 +186,9 @@ impl Cuda {
 
     /// Uploads host f32 values.
     pub fn upload(&self, v: &[f32]) -> Result<CudaSlice<f32>> {
-        self.stream().clone_htod(v).map_err(|e| cuda_err("upload", e))
+        self.stream()
+            .clone_htod(v)
+            .map_err(|e| cuda_err("upload", e))
     }
 
     /// Copies `buf` back to the host (waits for the stream).
@@ -298,8 +300,7 @@ impl Cuda {
                     let mut b = stream.launch_builder(&f);
                     b.arg(&mut *y).arg(bias).arg(&total).arg(&cols);
                     // SAFETY: y [t, n], bias [n].
-                    unsafe { b.launch(elementwise(t * n)) }
-                        .map_err(|e| cuda_err("add_bias", e))?;
+                    unsafe { b.launch(elementwise(t * n)) }.map_err(|e| cuda_err("add_bias", e))?;
                 }
             }
             _ => {
@@ -310,7 +311,9 @@ impl Cuda {
                         u32::try_from(t.div_ceil(GEMM_TILE))
                             .ok()
                             .filter(|&g| g < 65536)
-                            .ok_or_else(|| ModelError::Cuda(format!("gemm: {t} rows is too many")))?,
+                            .ok_or_else(|| {
+                                ModelError::Cuda(format!("gemm: {t} rows is too many"))
+                            })?,
                         1,
                     ),
                     block_dim: (GEMM_THREADS, 1, 1),
@@ -356,7 +359,6 @@ impl Cuda {
         unsafe { b.launch(per_row(rows)?) }.map_err(|e| cuda_err("argmax", e))?;
         Ok(())
     }
-
 }
 
 impl DeviceOps for Cuda {
@@ -422,7 +424,12 @@ impl DeviceOps for Cuda {
         Ok(())
     }
 
-    fn rms_norm_inplace(&mut self, x: &mut CudaSlice<f32>, w: &CudaSlice<f32>, eps: f32) -> Result<()> {
+    fn rms_norm_inplace(
+        &mut self,
+        x: &mut CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        eps: f32,
+    ) -> Result<()> {
         let dim = w.len();
         if dim == 0 || x.len() % dim != 0 {
             return Err(ModelError::Cuda(format!(
@@ -448,12 +455,22 @@ impl DeviceOps for Cuda {
         Ok(())
     }
 
-    fn rope(&mut self, x: &mut CudaSlice<f32>, table: &CudaRopeTable, args: &RopeArgs) -> Result<()> {
+    fn rope(
+        &mut self,
+        x: &mut CudaSlice<f32>,
+        table: &CudaRopeTable,
+        args: &RopeArgs,
+    ) -> Result<()> {
         apply_rope_cuda(&self.dev, x, table, args)?;
         Ok(())
     }
 
-    fn gated_act(&mut self, act: Activation, g: &mut CudaSlice<f32>, u: &CudaSlice<f32>) -> Result<()> {
+    fn gated_act(
+        &mut self,
+        act: Activation,
+        g: &mut CudaSlice<f32>,
+        u: &CudaSlice<f32>,
+    ) -> Result<()> {
         check_len("gated_act", "u", u.len(), g.len())?;
         let n = g.len() as i64;
         let gelu = i32::from(act == Activation::GeluTanh);
@@ -496,12 +513,19 @@ impl DeviceOps for Cuda {
         if tokens.is_empty() {
             return Ok(());
         }
-        let ids = self.stream().clone_htod(tokens).map_err(|e| cuda_err("upload", e))?;
+        let ids = self
+            .stream()
+            .clone_htod(tokens)
+            .map_err(|e| cuda_err("upload", e))?;
         let f = self.function(MODEL_OPS_CU, "embed_bf16")?;
         let h = to_i32("hidden", hidden)?;
         let stream = self.stream().clone();
         let mut b = stream.launch_builder(&f);
-        b.arg(&mut *x).arg(&table.weight).arg(&ids).arg(&h).arg(&scale);
+        b.arg(&mut *x)
+            .arg(&table.weight)
+            .arg(&ids)
+            .arg(&h)
+            .arg(&scale);
         // SAFETY: x [t, hidden], table [vocab, hidden], ids < vocab (checked
         // by the caller).
         unsafe { b.launch(per_row(tokens.len())?) }.map_err(|e| cuda_err("embed", e))?;
@@ -517,13 +541,18 @@ impl DeviceOps for Cuda {
     ) -> Result<()> {
         check_len("gather_rows", "out", out.len(), rows.len() * width)?;
         if let Some(&r) = rows.iter().find(|&&r| (r + 1) * width > x.len()) {
-            return Err(ModelError::Cuda(format!("gather_rows: row {r} is outside x")));
+            return Err(ModelError::Cuda(format!(
+                "gather_rows: row {r} is outside x"
+            )));
         }
         if rows.is_empty() {
             return Ok(());
         }
         let idx: Vec<u64> = rows.iter().map(|&r| r as u64).collect();
-        let idx = self.stream().clone_htod(&idx).map_err(|e| cuda_err("upload", e))?;
+        let idx = self
+            .stream()
+            .clone_htod(&idx)
+            .map_err(|e| cuda_err("upload", e))?;
         let f = self.function(MODEL_OPS_CU, "gather_rows_f32")?;
         let w = to_i32("width", width)?;
         let stream = self.stream().clone();

@@ -50,10 +50,15 @@ impl CudaKvStorage {
     /// `layer`'s K and V tensors.
     ///
     /// Errors: the layer was never allocated.
-    pub fn layer_mut(&mut self, layer: usize) -> Result<(&mut CudaSlice<f32>, &mut CudaSlice<f32>)> {
+    pub fn layer_mut(
+        &mut self,
+        layer: usize,
+    ) -> Result<(&mut CudaSlice<f32>, &mut CudaSlice<f32>)> {
         match self.layers.get_mut(layer) {
             Some(Some((k, v, ..))) => Ok((k, v)),
-            _ => Err(ModelError::Cuda(format!("KV cache layer {layer} is not allocated"))),
+            _ => Err(ModelError::Cuda(format!(
+                "KV cache layer {layer} is not allocated"
+            ))),
         }
     }
 
@@ -76,10 +81,11 @@ impl KvStorage for CudaKvStorage {
         row_v: usize,
     ) -> std::result::Result<(), CacheError> {
         let len = |row: usize| {
-            rows.checked_mul(row).ok_or_else(|| CacheError::InvalidArgument {
-                arg: "total_num_pages",
-                reason: "cache size overflows usize".into(),
-            })
+            rows.checked_mul(row)
+                .ok_or_else(|| CacheError::InvalidArgument {
+                    arg: "total_num_pages",
+                    reason: "cache size overflows usize".into(),
+                })
         };
         let (nk, nv) = (len(row_k)?, len(row_v)?);
         let alloc = |n: usize| {
@@ -97,7 +103,8 @@ impl KvStorage for CudaKvStorage {
 
     fn copy_rows(&mut self, layer: usize, src: usize, dst: usize, rows: usize) {
         let Some(Some((k, v, row_k, row_v))) = self.layers.get_mut(layer) else {
-            self.error.get_or_insert_with(|| format!("layer {layer} is not allocated"));
+            self.error
+                .get_or_insert_with(|| format!("layer {layer} is not allocated"));
             return;
         };
         for (t, row) in [(k, *row_k), (v, *row_v)] {
