@@ -404,7 +404,7 @@ impl DeviceOps for Cuda {
     ) -> Result<()> {
         let dim = w.len();
         check_len("rms_norm", "y", y.len(), x.len())?;
-        if dim == 0 || x.len() % dim != 0 {
+        if dim == 0 || !x.len().is_multiple_of(dim) {
             return Err(ModelError::Cuda(format!(
                 "rms_norm: x holds {} values, not rows of {dim}",
                 x.len()
@@ -431,7 +431,7 @@ impl DeviceOps for Cuda {
         eps: f32,
     ) -> Result<()> {
         let dim = w.len();
-        if dim == 0 || x.len() % dim != 0 {
+        if dim == 0 || !x.len().is_multiple_of(dim) {
             return Err(ModelError::Cuda(format!(
                 "rms_norm: x holds {} values, not rows of {dim}",
                 x.len()

@@ -16,10 +16,13 @@ use crate::{ModelError, Result};
 /// is kept and returned by the next step ([`take_error`](Self::take_error)).
 pub struct CudaKvStorage {
     stream: Arc<CudaStream>,
-    /// `[num_layers]` of (K, V, row_k, row_v).
-    layers: Vec<Option<(CudaSlice<f32>, CudaSlice<f32>, usize, usize)>>,
+    /// `[num_layers]`, `None` until allocated.
+    layers: Vec<Option<LayerKv>>,
     error: Option<String>,
 }
+
+/// One layer's (K, V, row_k, row_v).
+type LayerKv = (CudaSlice<f32>, CudaSlice<f32>, usize, usize);
 
 impl std::fmt::Debug for CudaKvStorage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
