@@ -134,7 +134,7 @@ if [ "$dry" -eq 1 ]; then
   else
     fail "workload shape, tiny-gemma cpu" "see $out/workload.cpu.err"
   fi
-  echo "   plan: te bench --device cuda --model random:gemma-7b ${workload[*]}, then again with --cuda-graphs"
+  echo "   plan: te bench --device cuda --model random:gemma-7b ${workload[*]} (and with --cuda-graphs once te bench has it: not built yet)"
 elif [ "$has_cuda_model" -eq 1 ]; then
   graph_modes=("")
   if "$te" bench --help 2>/dev/null | grep -q -- '--cuda-graphs'; then
