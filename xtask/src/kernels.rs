@@ -229,6 +229,7 @@ fn launch_shape(kernel: &str) -> Option<&'static te_kernels::cuda::LaunchShape> 
     te_kernels::cuda::LAUNCHES
         .iter()
         .chain(te_attention::cuda::LAUNCHES)
+        .chain(te_models::cuda::LAUNCHES)
         .find(|s| s.kernel == family)
 }
 
@@ -244,7 +245,7 @@ fn problems(k: &KernelReport, arch: &Arch) -> Vec<String> {
     }
     let Some(shape) = launch_shape(&k.name) else {
         p.push(format!(
-            "no launch shape for `{}` in te_kernels::cuda::LAUNCHES or te_attention::cuda::LAUNCHES",
+            "no launch shape for `{}` in te_kernels::cuda::LAUNCHES, te_attention::cuda::LAUNCHES or te_models::cuda::LAUNCHES",
             k.name
         ));
         return p;

@@ -19,9 +19,10 @@ use std::process::Command;
 use anyhow::{bail, Context};
 
 /// `(package, test target)` of the tests that need a GPU.
-pub const GPU_TESTS: [(&str, &str); 2] = [
+pub const GPU_TESTS: [(&str, &str); 3] = [
     ("te-kernels", "cuda_parity"),
     ("te-attention", "gpu_parity"),
+    ("te-models", "cuda_model"),
 ];
 
 pub fn run(args: &[String]) -> anyhow::Result<()> {

@@ -252,7 +252,9 @@ impl InferenceParams<HostKvStorage> {
             HostKvStorage::new(dtype, num_layers),
         )
     }
+}
 
+impl<S: KvStorage> InferenceParams<S> {
     /// Saves this step's keys and values of `layer` and returns the view
     /// attention reads.
     ///
@@ -297,7 +299,12 @@ impl InferenceParams<HostKvStorage> {
         }
         let p = self.layer_pool[layer];
         let layout = layout_of(&self.pools[p], plan, p, h, self.head_dim_k, self.head_dim_v);
-        let Some((k_cache, v_cache)) = self.storage.layer_mut::<T>(layer) else {
+        let Some((k_cache, v_cache)) = self
+            .storage
+            .as_host_mut()
+            .ok_or_else(not_host)?
+            .layer_mut::<T>(layer)
+        else {
             unreachable!("dtype checked above");
         };
         let kv_step = KvStep {
@@ -338,7 +345,12 @@ impl InferenceParams<HostKvStorage> {
             self.head_dim_k,
             self.head_dim_v,
         );
-        let Some((k_cache, v_cache)) = self.storage.layer::<T>(layer) else {
+        let Some((k_cache, v_cache)) = self
+            .storage
+            .as_host()
+            .ok_or_else(not_host)?
+            .layer::<T>(layer)
+        else {
             unreachable!("dtype checked above");
         };
         Ok(KvCacheView {
@@ -348,9 +360,42 @@ impl InferenceParams<HostKvStorage> {
         })
     }
 
-    /// Bytes of K and V storage allocated, over all layers.
+    /// Bytes of K and V storage allocated in host memory, over all layers
+    /// (0 for device storage).
     pub fn memory_allocated(&self) -> usize {
-        self.storage.elements() * self.dtype.size_in_bytes()
+        self.storage.as_host().map_or(0, HostKvStorage::elements) * self.dtype.size_in_bytes()
+    }
+
+    /// The page-table layout of `layer` for the planned step (what
+    /// [`view`](Self::view) returns with the tensors) and the storage,
+    /// mutable: for device storage, whose KV save and attention address
+    /// the tensors themselves.
+    ///
+    /// Errors: no step planned, `layer` out of range.
+    pub fn step_storage(
+        &mut self,
+        layer: usize,
+    ) -> Result<(KvCacheLayout<'_>, &mut S), CacheError> {
+        self.check_layer(layer)?;
+        let plan = self.plan.as_ref().ok_or(CacheError::NoStep)?;
+        let p = self.layer_pool[layer];
+        let layout = layout_of(
+            &self.pools[p],
+            plan,
+            p,
+            self.num_heads_kv,
+            self.head_dim_k,
+            self.head_dim_v,
+        );
+        Ok((layout, &mut self.storage))
+    }
+}
+
+/// The error of a host-memory operation on device storage.
+fn not_host() -> CacheError {
+    CacheError::InvalidArgument {
+        arg: "storage",
+        reason: "the cache is not in host memory (this op is the CPU KV save / view)".into(),
     }
 }
 

@@ -30,6 +30,18 @@ pub trait KvStorage {
     /// Copies rows `src .. src + rows` of `layer`'s K and V to `dst .. dst +
     /// rows` (the ranges never overlap: copy-on-write of a whole page).
     fn copy_rows(&mut self, layer: usize, src: usize, dst: usize, rows: usize);
+
+    /// The storage as host memory, when it is ([`HostKvStorage`]): what
+    /// [`crate::InferenceParams::step`] and `view` (the CPU KV save and
+    /// attention) read and write. `None` (the default) for device storage.
+    fn as_host(&self) -> Option<&HostKvStorage> {
+        None
+    }
+
+    /// [`as_host`](Self::as_host), mutable.
+    fn as_host_mut(&mut self) -> Option<&mut HostKvStorage> {
+        None
+    }
 }
 
 /// One cache tensor in its storage dtype.
@@ -156,5 +168,13 @@ impl KvStorage for HostKvStorage {
         let (k, v, row_k, row_v) = &mut self.layers[layer];
         k.copy_within(src * *row_k, dst * *row_k, rows * *row_k);
         v.copy_within(src * *row_v, dst * *row_v, rows * *row_v);
+    }
+
+    fn as_host(&self) -> Option<&HostKvStorage> {
+        Some(self)
+    }
+
+    fn as_host_mut(&mut self) -> Option<&mut HostKvStorage> {
+        Some(self)
     }
 }

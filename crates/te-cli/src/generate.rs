@@ -81,6 +81,8 @@ pub struct Args {
     #[arg(long, value_name = "N|mpi", value_parser = parse_context_parallel)]
     context_parallel: Option<Ranks>,
     #[command(flatten)]
+    device: crate::DeviceArg,
+    #[command(flatten)]
     threads: crate::Threads,
 }
 
@@ -150,7 +152,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         seed: args.seed,
     };
     sampling.validate().map_err(anyhow::Error::msg)?;
-    let loaded = crate::load(&args.model)?;
+    let loaded = crate::load_on(&args.model, args.device.device)?;
     let tokenizer = &loaded.tokenizer;
     let mut prompt_tokens = Vec::with_capacity(prompts.len());
     for (i, p) in prompts.iter().enumerate() {

@@ -148,6 +148,39 @@ impl Threads {
 }
 
 /// Resolves and loads `--model`, reporting progress on stderr.
+/// `--device`: where the model computes.
+#[derive(clap::Args, Clone, Debug)]
+pub struct DeviceArg {
+    /// Where the model runs: `cpu` (default), `cuda` or `cuda:N` (GPU N:
+    /// bf16 weights, KV cache in device memory; needs the NVIDIA driver and
+    /// NVRTC, uses cuBLAS when it loads), or `auto` (cuda when a GPU and
+    /// the libraries are usable, else cpu). The CUDA path is compile-checked
+    /// and awaits its first GPU run (see docs/ARCHITECTURE.md).
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: te_models::cuda::Device,
+}
+
+fn parse_device(s: &str) -> Result<te_models::cuda::Device, String> {
+    te_models::cuda::Device::parse(s).map_err(|e| e.to_string())
+}
+
+/// [`load`], then the model moved to `device` (a note says where, and
+/// which GEMM the GPU uses).
+fn load_on(
+    spec: &str,
+    device: te_models::cuda::Device,
+) -> anyhow::Result<te_models::loader::LoadedModel> {
+    let mut loaded = load(spec)?;
+    let on = loaded.model.to_device(device)?;
+    if let (te_models::cuda::Device::Cuda(n), Some(cm)) = (on, loaded.model.cuda()) {
+        note(format_args!(
+            "running on cuda:{n} (GEMM: {:?})",
+            cm.gemm_backend()
+        ));
+    }
+    Ok(loaded)
+}
+
 fn load(spec: &str) -> anyhow::Result<te_models::loader::LoadedModel> {
     let source = te_models::hub::resolve_model(spec)?;
     let start = std::time::Instant::now();

@@ -34,10 +34,11 @@ use std::collections::HashMap;
 use std::ops::Range;
 
 use te_attention::{AttentionWorkspace, AttnMetadata, KvInput, Positions};
-use te_cache::InferenceParams;
+use te_cache::{InferenceParams, KvStorage};
 use te_kernels::QkvFormat;
 use te_ring::{agree, all_gather, all_merge, call_tag, Communicator, Zigzag};
 
+use crate::device::Cpu;
 use crate::layer::{Layer, Qkv, Rows, Workspace};
 use crate::model::Model;
 use crate::{ModelError, Result};
@@ -273,10 +274,10 @@ impl Model {
     /// Errors: ranks that disagree on the step, a failed or departed rank
     /// (named), and everything [`Model::forward`] rejects. The
     /// communicator is aborted then.
-    pub fn forward_context_parallel<'w>(
+    pub fn forward_context_parallel<'w, S: KvStorage>(
         &self,
         tokens: &[u32],
-        cache: &mut InferenceParams,
+        cache: &mut InferenceParams<S>,
         cp: &mut ContextParallel,
         ws: &'w mut Workspace,
     ) -> Result<&'w [f32]> {
@@ -288,10 +289,10 @@ impl Model {
         Ok(&ws.logits)
     }
 
-    fn cp_forward(
+    fn cp_forward<S: KvStorage>(
         &self,
         tokens: &[u32],
-        cache: &mut InferenceParams,
+        cache: &mut InferenceParams<S>,
         cp: &mut ContextParallel,
         ws: &mut Workspace,
     ) -> Result<()> {
@@ -382,9 +383,15 @@ impl Model {
                 cu_q: &cu_q,
                 bufs: &mut bufs,
             };
-            result = layer.run(w, &mut x, rows, rope, ws, &mut |l, qkv, out, aws| {
-                step.attend(l, qkv, out, aws)
-            });
+            result = layer.run(
+                &mut ws.cpu,
+                w,
+                &mut x,
+                rows,
+                rope,
+                &mut ws.bufs,
+                &mut |l, cpu: &mut Cpu, qkv, out| step.attend(l, qkv, out, &mut cpu.attention),
+            );
         }
         (bufs.rope_cu, bufs.rope_start) = (rope_cu, rope_start);
         if let Err(e) = result {
@@ -423,15 +430,14 @@ impl Model {
             ws.h.extend_from_slice(src);
             next[r] += 1;
         }
-        self.head(ws);
-        Ok(())
+        self.head(ws)
     }
 }
 
 /// One layer's attention on a rank: store this rank's K/V, gather the
 /// step's queries, attend them to the keys held here, merge over ranks.
-struct CpLayer<'a> {
-    cache: &'a mut InferenceParams,
+struct CpLayer<'a, S> {
+    cache: &'a mut InferenceParams<S>,
     comm: &'a mut dyn Communicator,
     zigzag: &'a Zigzag,
     placed: &'a [Placed],
@@ -439,11 +445,11 @@ struct CpLayer<'a> {
     bufs: &'a mut Buffers,
 }
 
-impl CpLayer<'_> {
+impl<S: KvStorage> CpLayer<'_, S> {
     fn attend(
         &mut self,
         layer: &Layer,
-        qkv: Qkv<'_>,
+        qkv: Qkv<'_, Vec<f32>>,
         out: &mut [f32],
         aws: &mut AttentionWorkspace,
     ) -> Result<()> {

@@ -58,9 +58,11 @@ use std::time::Instant;
 
 use te_cache::{CacheLayout, InferenceParams};
 
+use crate::cuda::{KvStore, StepOutput};
+
 use crate::context_parallel::ContextParallel;
 use crate::layer::Workspace;
-use crate::model::{Logits, Model};
+use crate::model::Model;
 use crate::sampling::{Sampler, SamplingParams};
 use crate::tokenizer::{DecodeStream, Tokenizer};
 use crate::{ModelError, Result};
@@ -313,7 +315,8 @@ pub struct Engine<'a> {
     model: &'a Model,
     tokenizer: Option<&'a Tokenizer>,
     config: EngineConfig,
-    cache: InferenceParams,
+    /// On the model's device (host memory, or the GPU's).
+    cache: InferenceParams<KvStore>,
     ws: Workspace,
     /// A layer of the full-attention pool (its pages are the capacity).
     full_layer: usize,
@@ -361,7 +364,7 @@ impl<'a> Engine<'a> {
             .kv_cache_tokens
             .unwrap_or_else(|| Self::default_kv_cache_tokens(model));
         let total_num_pages = tokens.div_ceil(config.page_size);
-        let cache = model.new_cache(
+        let cache = model.new_step_cache(
             config.max_batch_size,
             model.config.max_position_embeddings,
             config.prefill_chunk,
@@ -408,6 +411,11 @@ impl<'a> Engine<'a> {
         config: EngineConfig,
         mut cp: ContextParallel,
     ) -> Result<Self> {
+        if model.cuda().is_some() {
+            return Err(ModelError::Request(
+                "context parallelism runs on the CPU only (--device cpu)".into(),
+            ));
+        }
         let config = EngineConfig {
             prefix_caching: false,
             ..config
@@ -467,7 +475,7 @@ impl<'a> Engine<'a> {
     }
 
     /// The KV cache (its bookkeeping: pages in use, cached, free).
-    pub fn cache(&self) -> &InferenceParams {
+    pub fn cache(&self) -> &InferenceParams<KvStore> {
         &self.cache
     }
 
@@ -682,16 +690,18 @@ impl<'a> Engine<'a> {
         }
         let start = Instant::now();
         let vocab = self.model.config.vocab_size;
+        // Plain greedy everywhere: the device may pick the tokens itself.
+        let greedy = self.running.iter().all(|s| s.sampler.is_plain_greedy());
         let forward = match self.cp.as_mut() {
-            Some(cp) => {
-                self.model
-                    .forward_context_parallel(&tokens, &mut self.cache, cp, &mut self.ws)
-            }
+            Some(cp) => self
+                .model
+                .forward_context_parallel(&tokens, &mut self.cache, cp, &mut self.ws)
+                .map(StepOutput::Logits),
             None => self
                 .model
-                .forward_with(&tokens, &mut self.cache, Logits::Last, &mut self.ws),
+                .forward_step(&tokens, &mut self.cache, greedy, &mut self.ws),
         };
-        let logits = match forward {
+        let out = match forward {
             Ok(l) => l,
             Err(e) => {
                 // Recompute everyone of this step later.
@@ -710,7 +720,7 @@ impl<'a> Engine<'a> {
             if n == 0 {
                 continue;
             }
-            let logits_row = &logits[row * vocab..(row + 1) * vocab];
+            let this_row = row;
             row += 1;
             seq.fed += n;
             if self.config.prefix_caching {
@@ -719,7 +729,13 @@ impl<'a> Engine<'a> {
             if seq.fed < seq.tokens.len() {
                 continue; // mid-prompt chunk: no token yet
             }
-            let tok = seq.sampler.sample(logits_row, &seq.tokens);
+            let tok = match &out {
+                StepOutput::Logits(logits) => seq.sampler.sample(
+                    &logits[this_row * vocab..(this_row + 1) * vocab],
+                    &seq.tokens,
+                ),
+                StepOutput::Tokens(ids) => ids[this_row],
+            };
             seq.tokens.push(tok);
             self.stats.generated_tokens += 1;
             let (text, stopped) = seq.push_text(tok);

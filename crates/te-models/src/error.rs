@@ -55,6 +55,10 @@ pub enum ModelError {
     Attention(#[from] te_attention::AttentionError),
     #[error(transparent)]
     Cache(#[from] te_cache::CacheError),
+    /// The CUDA path failed: a library that does not load (named), no
+    /// device, a driver, cuBLAS or launch error.
+    #[error("CUDA: {0}")]
+    Cuda(String),
 }
 
 /// Problems listed in an [`ModelError::Invalid`] message at most (the

@@ -13,14 +13,13 @@
 //! x = x + m
 //! ```
 
-use rayon::prelude::*;
-use te_attention::{AttentionWorkspace, AttnMaskType, AttnMetadata, DotProductAttention, KvInput};
-use te_cache::{InferenceParams, StepPlan};
-use te_kernels::rope::{apply_rope_cpu, RopeArgs, RopeConvention, RopeTable};
+use te_attention::{AttnMaskType, AttnMetadata, DotProductAttention, KvInput};
+use te_cache::{InferenceParams, KvStorage, StepPlan};
+use te_kernels::rope::{RopeArgs, RopeConvention, RopeTable};
 use te_kernels::QkvFormat;
 
 use crate::config::{Activation, ModelConfig};
-use crate::ops::{add_inplace, gelu_tanh, rms_norm_inplace, rms_norm_into, silu};
+use crate::device::{Cpu, DeviceOps};
 use crate::weights::LayerWeights;
 use crate::Result;
 
@@ -34,6 +33,8 @@ pub struct Layer {
     pub(crate) num_heads: usize,
     pub(crate) num_heads_kv: usize,
     pub(crate) head_dim: usize,
+    pub(crate) hidden: usize,
+    pub(crate) intermediate: usize,
     eps: f32,
     activation: Activation,
 }
@@ -63,6 +64,8 @@ impl Layer {
             num_heads: c.num_attention_heads,
             num_heads_kv: c.num_key_value_heads,
             head_dim: c.head_dim,
+            hidden: c.hidden_size,
+            intermediate: c.intermediate_size,
             eps: c.rms_norm_eps,
             activation: c.hidden_activation,
         })
@@ -70,14 +73,35 @@ impl Layer {
 
     /// Runs the layer on `x: [t, hidden]` in place for the step `plan`
     /// planned in `cache`, saving this layer's K/V there. `ws` holds every
-    /// intermediate buffer (sized on first use, then reused).
-    pub fn forward(
+    /// intermediate buffer (sized on first use, then reused). The cache's
+    /// storage must be in host memory.
+    pub fn forward<S: KvStorage>(
         &self,
         w: &LayerWeights,
         x: &mut [f32],
         plan: &StepPlan,
         rope: &RopeTable,
-        cache: &mut InferenceParams,
+        cache: &mut InferenceParams<S>,
+        ws: &mut Workspace,
+    ) -> Result<()> {
+        // The layer runs on an owned buffer: `x` goes through ws.layer_x.
+        let mut xv = std::mem::take(&mut ws.layer_x);
+        xv.clear();
+        xv.extend_from_slice(x);
+        let result = self.forward_cpu(w, &mut xv, plan, rope, cache, ws);
+        x.copy_from_slice(&xv);
+        ws.layer_x = xv;
+        result
+    }
+
+    /// [`forward`](Self::forward) on the workspace's own buffer.
+    pub(crate) fn forward_cpu<S: KvStorage>(
+        &self,
+        w: &LayerWeights,
+        x: &mut Vec<f32>,
+        plan: &StepPlan,
+        rope: &RopeTable,
+        cache: &mut InferenceParams<S>,
         ws: &mut Workspace,
     ) -> Result<()> {
         let cu_seqlens_q = plan.cu_seqlens_q();
@@ -86,92 +110,120 @@ impl Layer {
             rope_cu: cu_seqlens_q,
             rope_start: plan.start_positions(),
         };
-        self.run(w, x, rows, rope, ws, &mut |layer, qkv, out, aws| {
-            let view = cache.step(layer.index, qkv.k, qkv.v, QkvFormat::Thd)?;
-            let meta = AttnMetadata {
-                batch: plan.batch_size(),
-                max_seqlen_q: 0,
-                max_seqlen_kv: 0,
-                cu_seqlens_q: Some(cu_seqlens_q),
-                cu_seqlens_kv: None,
-            };
-            layer
-                .attention
-                .forward_cpu_with(qkv.q, KvInput::Cache(view), &meta, out, None, aws)?;
-            Ok(())
-        })
+        self.run(
+            &mut ws.cpu,
+            w,
+            x,
+            rows,
+            rope,
+            &mut ws.bufs,
+            &mut attend_cached(cache, plan),
+        )
     }
 
-    /// The layer around its attention: norms, projections, q/k norms, RoPE
-    /// at `rows`' positions, then `attend(self, q/k/v, out, workspace)`
-    /// (save K/V and attend: `out: [t, hq * d]`), output projection and
-    /// MLP. Single-rank ([`Layer::forward`]) and context-parallel steps
-    /// ([`crate::context_parallel`]) differ only in `attend`.
-    pub(crate) fn run(
+    /// The layer around its attention, on device `dev`: norms,
+    /// projections, q/k norms, RoPE at `rows`' positions, then
+    /// `attend(self, dev, q/k/v, out)` (save K/V and attend: `out: [t, hq *
+    /// d]`), output projection and MLP. `x: [t, hidden]`; `bufs` are the
+    /// eight intermediates, resized here. Single-rank
+    /// ([`Layer::forward`]), context-parallel ([`crate::context_parallel`])
+    /// and CUDA steps differ only in `dev` and `attend`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run<D: DeviceOps>(
         &self,
-        w: &LayerWeights,
-        x: &mut [f32],
+        dev: &mut D,
+        w: &LayerWeights<D::Linear, D::Vector>,
+        x: &mut D::Buf,
         rows: Rows<'_>,
-        rope: &RopeTable,
-        ws: &mut Workspace,
-        attend: &mut Attend<'_>,
+        rope: &D::Rope,
+        bufs: &mut [D::Buf; 8],
+        attend: &mut Attend<'_, D>,
     ) -> Result<()> {
         let (hq, hkv, d) = (self.num_heads, self.num_heads_kv, self.head_dim);
         let t = rows.t;
-        let hidden = x.len() / t.max(1);
-        let inter = w.gate_proj.out_features;
-        let [n, q, k, v, attn, o, g, u] = buffers(
-            &mut ws.bufs,
-            [
-                t * hidden,
-                t * hq * d,
-                t * hkv * d,
-                t * hkv * d,
-                t * hq * d,
-                t * hidden,
-                t * inter,
-                t * inter,
-            ],
-        );
-        let scratch = &mut ws.scratch;
+        let (hidden, inter) = (self.hidden, self.intermediate);
+        let [n, q, k, v, attn, o, g, u] = bufs.each_mut();
+        for (b, len) in [
+            (&mut *n, t * hidden),
+            (&mut *q, t * hq * d),
+            (&mut *k, t * hkv * d),
+            (&mut *v, t * hkv * d),
+            (&mut *attn, t * hq * d),
+            (&mut *o, t * hidden),
+            (&mut *g, t * inter),
+            (&mut *u, t * inter),
+        ] {
+            dev.resize(b, len)?;
+        }
 
         // Attention block. n: [t, hidden]
-        rms_norm_into(x, &w.attn_norm, self.eps, n);
-        w.q_proj.forward_into(n, t, q, scratch); // [t, hq, d]
-        w.k_proj.forward_into(n, t, k, scratch); // [t, hkv, d]
-        w.v_proj.forward_into(n, t, v, scratch); // [t, hkv, d]
+        dev.rms_norm_into(x, &w.attn_norm, self.eps, n)?;
+        dev.linear(&w.q_proj, n, t, q)?; // [t, hq, d]
+        dev.linear(&w.k_proj, n, t, k)?; // [t, hkv, d]
+        dev.linear(&w.v_proj, n, t, v)?; // [t, hkv, d]
         if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
             // Gemma 3: RMSNorm over each head's d values.
-            rms_norm_inplace(q, qn, self.eps);
-            rms_norm_inplace(k, kn, self.eps);
+            dev.rms_norm_inplace(q, qn, self.eps)?;
+            dev.rms_norm_inplace(k, kn, self.eps)?;
         }
         let args = |heads| RopeArgs::thd(self.convention, heads, d, rows.rope_cu, rows.rope_start);
-        apply_rope_cpu(q, rope, &args(hq))?;
-        apply_rope_cpu(k, rope, &args(hkv))?;
-        attend(self, Qkv { q, k, v }, attn, &mut ws.attention)?;
-        w.o_proj.forward_into(attn, t, o, scratch); // [t, hidden]
+        dev.rope(q, rope, &args(hq))?;
+        dev.rope(k, rope, &args(hkv))?;
+        attend(
+            self,
+            dev,
+            Qkv {
+                q: &*q,
+                k: &*k,
+                v: &*v,
+            },
+            attn,
+        )?;
+        dev.linear(&w.o_proj, attn, t, o)?; // [t, hidden]
         if let Some(post) = &w.post_attn_norm {
-            rms_norm_inplace(o, post, self.eps);
+            dev.rms_norm_inplace(o, post, self.eps)?;
         }
-        add_inplace(x, o);
+        dev.add_inplace(x, o)?;
 
         // MLP block: down(act(gate(n)) * up(n)).
-        rms_norm_into(x, &w.ffn_norm, self.eps, n);
-        w.gate_proj.forward_into(n, t, g, scratch); // [t, intermediate]
-        w.up_proj.forward_into(n, t, u, scratch);
-        let act = match self.activation {
-            Activation::Silu => silu,
-            Activation::GeluTanh => gelu_tanh,
-        };
-        g.par_iter_mut()
-            .zip(&*u)
-            .for_each(|(g, u)| *g = act(*g) * u);
+        dev.rms_norm_into(x, &w.ffn_norm, self.eps, n)?;
+        dev.linear(&w.gate_proj, n, t, g)?; // [t, intermediate]
+        dev.linear(&w.up_proj, n, t, u)?;
+        dev.gated_act(self.activation, g, u)?;
         let m = o; // [t, hidden], reused
-        w.down_proj.forward_into(g, t, m, scratch);
+        dev.linear(&w.down_proj, g, t, m)?;
         if let Some(post) = &w.post_ffn_norm {
-            rms_norm_inplace(m, post, self.eps);
+            dev.rms_norm_inplace(m, post, self.eps)?;
         }
-        add_inplace(x, m);
+        dev.add_inplace(x, m)?;
+        Ok(())
+    }
+}
+
+/// The single-rank CPU `attend` of a layer: saves its K/V in `cache` for
+/// the step `plan` ([`InferenceParams::step`]) and attends its queries to
+/// the cache (`DotProductAttention::forward_cpu_with`).
+pub(crate) fn attend_cached<'a, S: KvStorage>(
+    cache: &'a mut InferenceParams<S>,
+    plan: &'a StepPlan,
+) -> impl FnMut(&Layer, &mut Cpu, Qkv<'_, Vec<f32>>, &mut Vec<f32>) -> Result<()> + 'a {
+    move |layer, cpu, qkv, out| {
+        let view = cache.step(layer.index, qkv.k, qkv.v, QkvFormat::Thd)?;
+        let meta = AttnMetadata {
+            batch: plan.batch_size(),
+            max_seqlen_q: 0,
+            max_seqlen_kv: 0,
+            cu_seqlens_q: Some(plan.cu_seqlens_q()),
+            cu_seqlens_kv: None,
+        };
+        layer.attention.forward_cpu_with(
+            qkv.q,
+            KvInput::Cache(view),
+            &meta,
+            out,
+            None,
+            &mut cpu.attention,
+        )?;
         Ok(())
     }
 }
@@ -186,39 +238,38 @@ pub(crate) struct Rows<'a> {
     pub rope_start: &'a [i32],
 }
 
-/// A layer's rotated queries `[t, hq * d]`, keys and values `[t, hkv * d]`.
-pub(crate) struct Qkv<'a> {
-    pub q: &'a [f32],
-    pub k: &'a [f32],
-    pub v: &'a [f32],
+/// A layer's rotated queries `[t, hq * d]`, keys and values `[t, hkv * d]`,
+/// in buffers of type `B`.
+pub(crate) struct Qkv<'a, B> {
+    pub q: &'a B,
+    pub k: &'a B,
+    pub v: &'a B,
 }
 
-/// Saves a layer's K/V and writes its attention output `[t, hq * d]`.
-pub(crate) type Attend<'a> =
-    dyn FnMut(&Layer, Qkv<'_>, &mut [f32], &mut AttentionWorkspace) -> Result<()> + 'a;
+/// Saves a layer's K/V and writes its attention output `[t, hq * d]`, on
+/// device `D`.
+pub(crate) type Attend<'a, D> = dyn FnMut(&Layer, &mut D, Qkv<'_, <D as DeviceOps>::Buf>, &mut <D as DeviceOps>::Buf) -> Result<()>
+    + 'a;
 
 /// The buffers of one forward pass, reused from step to step: the layers'
 /// intermediates (`[t, hidden]`, `[t, h * d]`, `[t, intermediate]` each),
-/// the matrix-vector scratch and attention's workspace. Buffers only grow,
-/// so a run of decode steps allocates nothing here after the first.
+/// the CPU device (its matrix-vector scratch and attention's workspace),
+/// and the CUDA path's device buffers when a model runs there. Buffers only
+/// grow, so a run of decode steps allocates nothing here after the first.
 #[derive(Default)]
 pub struct Workspace {
-    bufs: [Vec<f32>; 8],
-    pub(crate) scratch: Vec<f32>,
-    attention: AttentionWorkspace,
+    pub(crate) bufs: [Vec<f32>; 8],
+    pub(crate) cpu: Cpu,
+    /// [`Layer::forward`]'s copy of its `x`.
+    layer_x: Vec<f32>,
     /// Model level: the hidden state `[t, hidden]`, the rows that get
     /// logits, their normed copy and the logits.
     pub(crate) x: Vec<f32>,
     pub(crate) rows: Vec<usize>,
     pub(crate) h: Vec<f32>,
     pub(crate) logits: Vec<f32>,
-}
-
-/// The eight layer buffers, each resized to its length.
-fn buffers(bufs: &mut [Vec<f32>; 8], lens: [usize; 8]) -> [&mut [f32]; 8] {
-    for (b, &len) in bufs.iter_mut().zip(&lens) {
-        b.resize(len, 0.0);
-    }
-    let [a, b, c, d, e, f, g, h] = bufs;
-    [a, b, c, d, e, f, g, h].map(|v| v.as_mut_slice())
+    /// Greedy tokens `[b]` of a CUDA step that took them on the device.
+    pub(crate) tokens: Vec<u32>,
+    /// The CUDA path's buffers, made on its first step.
+    pub(crate) cuda: Option<Box<crate::cuda::CudaWorkspace>>,
 }

@@ -22,6 +22,8 @@ pub mod chat;
 pub mod config;
 pub mod context_parallel;
 pub mod convert;
+pub mod cuda;
+pub mod device;
 pub mod engine;
 pub mod error;
 pub mod generate;

@@ -2,13 +2,14 @@
 //! ([`crate::layer`]), final norm and output projection, over one ragged
 //! (thd) step planned by [`InferenceParams::pre_step`].
 
-use te_cache::{CacheLayout, InferenceParams};
+use te_cache::{CacheLayout, HostKvStorage, InferenceParams, KvStorage};
 use te_kernels::rope::{RopeFreqs, RopeScaling, RopeTable};
 use te_kernels::DType;
 
 use crate::config::{Architecture, ModelConfig};
-use crate::layer::{Layer, Workspace};
-use crate::ops::rms_norm_inplace;
+use crate::cuda::{CudaKvStorage, KvStore};
+use crate::device::{check_tokens, embed_rows, DeviceOps};
+use crate::layer::{Attend, Layer, Rows, Workspace};
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
 
@@ -30,6 +31,8 @@ pub struct Model {
     /// sliding-window layers' (same table when the bases agree).
     rope_global: RopeTable,
     rope_local: Option<RopeTable>,
+    /// The weights on a GPU after [`Model::to_device`] (`None`: CPU).
+    pub(crate) cuda: Option<crate::cuda::CudaModel>,
 }
 
 impl Model {
@@ -65,6 +68,7 @@ impl Model {
             layers,
             rope_global,
             rope_local,
+            cuda: None,
         })
     }
 
@@ -78,8 +82,38 @@ impl Model {
         max_step_len: usize,
         layout: CacheLayout,
     ) -> Result<InferenceParams> {
+        let storage = HostKvStorage::new(DType::F32, self.config.num_hidden_layers);
+        self.new_cache_in(max_batch_size, max_seqlen, max_step_len, layout, storage)
+    }
+
+    /// [`new_cache`](Self::new_cache) on the model's device: host memory
+    /// for a CPU model, device memory after [`Model::to_device`] (what
+    /// [`Model::forward_step`] and the engine use).
+    pub fn new_step_cache(
+        &self,
+        max_batch_size: usize,
+        max_seqlen: usize,
+        max_step_len: usize,
+        layout: CacheLayout,
+    ) -> Result<InferenceParams<KvStore>> {
+        let layers = self.config.num_hidden_layers;
+        let storage = match &self.cuda {
+            None => KvStore::Host(HostKvStorage::new(DType::F32, layers)),
+            Some(cm) => KvStore::Cuda(CudaKvStorage::new(cm.stream()?, layers)),
+        };
+        self.new_cache_in(max_batch_size, max_seqlen, max_step_len, layout, storage)
+    }
+
+    fn new_cache_in<S: KvStorage>(
+        &self,
+        max_batch_size: usize,
+        max_seqlen: usize,
+        max_step_len: usize,
+        layout: CacheLayout,
+        storage: S,
+    ) -> Result<InferenceParams<S>> {
         let c = &self.config;
-        let mut cache = InferenceParams::new(
+        let mut cache = InferenceParams::with_storage(
             max_batch_size,
             max_seqlen,
             c.num_hidden_layers,
@@ -88,6 +122,7 @@ impl Model {
             c.head_dim,
             DType::F32,
             layout,
+            storage,
         )?;
         for (layer, window) in c.layer_windows.iter().enumerate() {
             if let Some(w) = *window {
@@ -119,15 +154,16 @@ impl Model {
     /// [`forward`](Self::forward) with every buffer kept in `ws` (reuse one
     /// workspace for every step: decode steps then allocate nothing per
     /// layer). The step's plan is taken from `cache` once and borrowed by
-    /// every layer. Returns the logits, borrowed from `ws`.
-    pub fn forward_with<'w>(
+    /// every layer. Returns the logits, borrowed from `ws`. This is the CPU
+    /// forward: the cache's storage must be in host memory (an error
+    /// otherwise).
+    pub fn forward_with<'w, S: KvStorage>(
         &self,
         tokens: &[u32],
-        cache: &mut InferenceParams,
+        cache: &mut InferenceParams<S>,
         logits: Logits,
         ws: &'w mut Workspace,
     ) -> Result<&'w [f32]> {
-        let c = &self.config;
         let plan = cache.plan().ok_or_else(|| {
             ModelError::Request("forward: no step planned (call pre_step first)".into())
         })?;
@@ -138,39 +174,73 @@ impl Model {
                 plan.num_tokens()
             )));
         }
-        let hidden = c.hidden_size;
-        // x: [t, hidden]
-        let mut x = std::mem::take(&mut ws.x);
-        x.resize(t * hidden, 0.0);
-        let result = self.embed(tokens, &mut x).and_then(|()| {
-            for (layer, w) in self.layers.iter().zip(&self.weights.layers) {
-                let rope = self.rope_for(layer);
-                layer.forward(w, &mut x, &plan, rope, cache, ws)?;
-            }
-            Ok(())
-        });
-        drop(plan);
-        if let Err(e) = result {
-            ws.x = x;
-            return Err(e);
+        logit_rows(logits, t, plan.cu_seqlens_q(), &mut ws.rows);
+        let rows = Rows {
+            t,
+            rope_cu: plan.cu_seqlens_q(),
+            rope_start: plan.start_positions(),
+        };
+        let mut attend = crate::layer::attend_cached(cache, &plan);
+        let bufs = ModelBufs {
+            layer: &mut ws.bufs,
+            x: &mut ws.x,
+            h: &mut ws.h,
+            logits: &mut ws.logits,
+        };
+        self.forward_on(
+            &mut ws.cpu,
+            &self.weights,
+            [
+                &self.rope_global,
+                self.rope_local.as_ref().unwrap_or(&self.rope_global),
+            ],
+            tokens,
+            rows,
+            &ws.rows,
+            bufs,
+            &mut attend,
+        )?;
+        Ok(&ws.logits)
+    }
+
+    /// The model forward on device `dev`, written once for every device:
+    /// embedding of `tokens: [t]` into `bufs.x: [t, hidden]`, every layer
+    /// (`attend` saves K/V and attends), then the rows `logit_rows` of the
+    /// hidden state into `bufs.h: [n, hidden]` and [`head_on`](Self::head_on)
+    /// into `bufs.logits: [n, vocab]`. `ropes` are the global and the local
+    /// layers' tables (the same table twice when they agree).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward_on<D: DeviceOps>(
+        &self,
+        dev: &mut D,
+        w: &ModelWeights<D::Linear, D::Vector>,
+        ropes: [&D::Rope; 2],
+        tokens: &[u32],
+        rows: Rows<'_>,
+        logit_rows: &[usize],
+        bufs: ModelBufs<'_, D::Buf>,
+        attend: &mut Attend<'_, D>,
+    ) -> Result<()> {
+        let c = &self.config;
+        let (t, hidden) = (tokens.len(), c.hidden_size);
+        check_tokens(tokens, c.vocab_size)?;
+        let x = bufs.x; // [t, hidden]
+        dev.resize(x, t * hidden)?;
+        dev.embed(&w.embed_tokens, tokens, self.embed_scale(), x)?;
+        for (layer, lw) in self.layers.iter().zip(&w.layers) {
+            let rope = ropes[self.uses_local_rope(layer) as usize];
+            layer.run(dev, lw, x, rows, rope, bufs.layer, attend)?;
         }
         // Rows that get logits: [n, hidden].
-        ws.rows.clear();
-        match logits {
-            Logits::All => ws.rows.extend(0..t),
-            Logits::Last => {
-                let cu = cache.cu_seqlens_q();
-                ws.rows.extend(cu[1..].iter().map(|&e| e as usize - 1));
-            }
-        }
-        let n = ws.rows.len();
-        ws.h.resize(n * hidden, 0.0);
-        for (dst, &r) in ws.h.chunks_exact_mut(hidden).zip(&ws.rows) {
-            dst.copy_from_slice(&x[r * hidden..(r + 1) * hidden]);
-        }
-        ws.x = x;
-        self.head(ws);
-        Ok(&ws.logits)
+        dev.resize(bufs.h, logit_rows.len() * hidden)?;
+        dev.gather_rows(x, logit_rows, hidden, bufs.h)?;
+        self.head_on(dev, w, bufs.h, bufs.logits)
+    }
+
+    /// Whether `layer` uses the local RoPE table (Gemma 3's sliding-window
+    /// layers, when their table differs).
+    fn uses_local_rope(&self, layer: &Layer) -> bool {
+        self.rope_local.is_some() && layer.window.is_some()
     }
 
     /// The RoPE table of `layer` (Gemma 3's local layers have their own).
@@ -181,47 +251,73 @@ impl Model {
         }
     }
 
-    /// Final norm, output projection and final softcap: `ws.h: [n, hidden]`
-    /// (normed in place) -> `ws.logits: [n, vocab]`.
-    pub(crate) fn head(&self, ws: &mut Workspace) {
+    /// The global and local RoPE tables (for uploading to a device).
+    pub(crate) fn rope_tables(&self) -> (&RopeTable, Option<&RopeTable>) {
+        (&self.rope_global, self.rope_local.as_ref())
+    }
+
+    /// Final norm, output projection and final softcap on the CPU:
+    /// `ws.h: [n, hidden]` (normed in place) -> `ws.logits: [n, vocab]`.
+    pub(crate) fn head(&self, ws: &mut Workspace) -> Result<()> {
+        self.head_on(&mut ws.cpu, &self.weights, &mut ws.h, &mut ws.logits)
+    }
+
+    /// [`head`](Self::head) on device `dev`: `h: [n, hidden]` (normed in
+    /// place) -> `logits: [n, vocab]`.
+    pub(crate) fn head_on<D: DeviceOps>(
+        &self,
+        dev: &mut D,
+        w: &ModelWeights<D::Linear, D::Vector>,
+        h: &mut D::Buf,
+        logits: &mut D::Buf,
+    ) -> Result<()> {
         let c = &self.config;
-        let n = ws.h.len() / c.hidden_size;
-        rms_norm_inplace(&mut ws.h, &self.weights.final_norm, c.rms_norm_eps);
-        let head = self
-            .weights
-            .lm_head
-            .as_ref()
-            .unwrap_or(&self.weights.embed_tokens);
-        ws.logits.resize(n * head.out_features, 0.0);
-        head.forward_into(&ws.h, n, &mut ws.logits, &mut ws.scratch);
+        dev.rms_norm_inplace(h, &w.final_norm, c.rms_norm_eps)?;
+        let n = dev.len(h) / c.hidden_size;
+        dev.resize(logits, n * c.vocab_size)?;
+        dev.linear(w.head(), h, n, logits)?;
         if let Some(cap) = c.final_logit_softcapping {
-            ws.logits
-                .iter_mut()
-                .for_each(|l| *l = cap * (*l / cap).tanh());
+            dev.softcap(logits, cap)?;
+        }
+        Ok(())
+    }
+
+    /// The embedding scale: sqrt(hidden_size) for Gemma (rounded to the
+    /// activation dtype, f32 here), else 1.
+    fn embed_scale(&self) -> f32 {
+        let c = &self.config;
+        if c.scale_embedding {
+            (c.hidden_size as f32).sqrt()
+        } else {
+            1.0
         }
     }
 
     /// `tokens: [t]` -> `x: [t, hidden]`, times sqrt(hidden_size) for Gemma
     /// (rounded to the activation dtype, f32 here).
     pub(crate) fn embed(&self, tokens: &[u32], x: &mut [f32]) -> Result<()> {
-        let c = &self.config;
-        let hidden = c.hidden_size;
-        let scale = if c.scale_embedding {
-            (hidden as f32).sqrt()
-        } else {
-            1.0
-        };
-        for (&tok, row) in tokens.iter().zip(x.chunks_exact_mut(hidden)) {
-            let id = tok as usize;
-            if id >= c.vocab_size {
-                return Err(ModelError::Request(format!(
-                    "token id {tok} is outside the vocabulary of {} tokens",
-                    c.vocab_size
-                )));
-            }
-            self.weights.embed_tokens.row_into(id, row);
-            row.iter_mut().for_each(|v| *v *= scale);
-        }
+        check_tokens(tokens, self.config.vocab_size)?;
+        embed_rows(&self.weights.embed_tokens, tokens, self.embed_scale(), x);
         Ok(())
+    }
+}
+
+/// The model-level buffers of one forward pass on a device: the layers'
+/// eight intermediates, the hidden state `x: [t, hidden]`, the rows that
+/// get logits `h: [n, hidden]` and the logits `[n, vocab]`.
+pub(crate) struct ModelBufs<'a, B> {
+    pub layer: &'a mut [B; 8],
+    pub x: &'a mut B,
+    pub h: &'a mut B,
+    pub logits: &'a mut B,
+}
+
+/// The rows of a step of `t` tokens that get logits, into `rows`: every
+/// row, or each sequence's last (`cu_seqlens_q: [b + 1]`).
+pub(crate) fn logit_rows(logits: Logits, t: usize, cu_seqlens_q: &[i32], rows: &mut Vec<usize>) {
+    rows.clear();
+    match logits {
+        Logits::All => rows.extend(0..t),
+        Logits::Last => rows.extend(cu_seqlens_q[1..].iter().map(|&e| e as usize - 1)),
     }
 }

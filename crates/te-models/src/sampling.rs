@@ -195,6 +195,13 @@ impl Sampler {
         }
     }
 
+    /// Whether this sampler always takes the plain argmax of the logits
+    /// (temperature 0, no repetition penalty): a device may then pick the
+    /// token itself ([`crate::cuda::StepOutput::Tokens`]).
+    pub fn is_plain_greedy(&self) -> bool {
+        self.params.temperature == 0.0 && self.params.repetition_penalty == 1.0
+    }
+
     /// Picks the next token from `logits: [vocab]`; `history` holds the
     /// prompt and generated tokens (for the repetition penalty). See the
     /// module documentation for the exact rules.

@@ -54,46 +54,100 @@ pub enum NameScheme {
 }
 
 /// One transformer layer's weights. Norm weights are the effective
-/// multipliers (Gemma's `1 + w` already applied).
+/// multipliers (Gemma's `1 + w` already applied). `L` is the matrix type and
+/// `V` the vector type of a device: host [`Linear`] and `Vec<f32>` by
+/// default (the CUDA path uploads the same struct, bf16 matrices).
 #[derive(Clone, Debug)]
-pub struct LayerWeights {
+pub struct LayerWeights<L = Linear, V = Vec<f32>> {
     /// Pre-attention RMSNorm `[hidden]`.
-    pub attn_norm: Vec<f32>,
+    pub attn_norm: V,
     /// `[h_q * d, hidden]`.
-    pub q_proj: Linear,
+    pub q_proj: L,
     /// `[h_kv * d, hidden]`.
-    pub k_proj: Linear,
+    pub k_proj: L,
     /// `[h_kv * d, hidden]`.
-    pub v_proj: Linear,
+    pub v_proj: L,
     /// `[hidden, h_q * d]`.
-    pub o_proj: Linear,
+    pub o_proj: L,
     /// Gemma 3 per-head norms `[d]`.
-    pub q_norm: Option<Vec<f32>>,
-    pub k_norm: Option<Vec<f32>>,
+    pub q_norm: Option<V>,
+    pub k_norm: Option<V>,
     /// Gemma 2/3 post-attention norm `[hidden]`.
-    pub post_attn_norm: Option<Vec<f32>>,
+    pub post_attn_norm: Option<V>,
     /// Pre-MLP RMSNorm `[hidden]`.
-    pub ffn_norm: Vec<f32>,
+    pub ffn_norm: V,
     /// `[intermediate, hidden]`.
-    pub gate_proj: Linear,
+    pub gate_proj: L,
     /// `[intermediate, hidden]`.
-    pub up_proj: Linear,
+    pub up_proj: L,
     /// `[hidden, intermediate]`.
-    pub down_proj: Linear,
+    pub down_proj: L,
     /// Gemma 2/3 post-MLP norm `[hidden]`.
-    pub post_ffn_norm: Option<Vec<f32>>,
+    pub post_ffn_norm: Option<V>,
 }
 
-/// All weights of a model.
+/// All weights of a model, with `L` and `V` as in [`LayerWeights`].
 #[derive(Clone, Debug)]
-pub struct ModelWeights {
+pub struct ModelWeights<L = Linear, V = Vec<f32>> {
     /// Token embedding `[vocab, hidden]` (also the output projection when tied).
-    pub embed_tokens: Linear,
-    pub layers: Vec<LayerWeights>,
+    pub embed_tokens: L,
+    pub layers: Vec<LayerWeights<L, V>>,
     /// Final RMSNorm `[hidden]`.
-    pub final_norm: Vec<f32>,
+    pub final_norm: V,
     /// Output projection `[vocab, hidden]`; `None` when tied to the embedding.
-    pub lm_head: Option<Linear>,
+    pub lm_head: Option<L>,
+}
+
+impl<L, V> LayerWeights<L, V> {
+    /// The same layer with every matrix through `lin` and every vector
+    /// through `vec` (the CUDA upload); the first error stops.
+    pub fn try_map<L2, V2, E>(
+        &self,
+        lin: &mut impl FnMut(&L) -> std::result::Result<L2, E>,
+        vec: &mut impl FnMut(&V) -> std::result::Result<V2, E>,
+    ) -> std::result::Result<LayerWeights<L2, V2>, E> {
+        let mut opt = |v: &Option<V>| v.as_ref().map(&mut *vec).transpose();
+        Ok(LayerWeights {
+            q_norm: opt(&self.q_norm)?,
+            k_norm: opt(&self.k_norm)?,
+            post_attn_norm: opt(&self.post_attn_norm)?,
+            post_ffn_norm: opt(&self.post_ffn_norm)?,
+            attn_norm: vec(&self.attn_norm)?,
+            ffn_norm: vec(&self.ffn_norm)?,
+            q_proj: lin(&self.q_proj)?,
+            k_proj: lin(&self.k_proj)?,
+            v_proj: lin(&self.v_proj)?,
+            o_proj: lin(&self.o_proj)?,
+            gate_proj: lin(&self.gate_proj)?,
+            up_proj: lin(&self.up_proj)?,
+            down_proj: lin(&self.down_proj)?,
+        })
+    }
+}
+
+impl<L, V> ModelWeights<L, V> {
+    /// The output projection: `lm_head`, or the embedding when tied.
+    pub fn head(&self) -> &L {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+    }
+
+    /// [`LayerWeights::try_map`] over every weight of the model.
+    pub fn try_map<L2, V2, E>(
+        &self,
+        mut lin: impl FnMut(&L) -> std::result::Result<L2, E>,
+        mut vec: impl FnMut(&V) -> std::result::Result<V2, E>,
+    ) -> std::result::Result<ModelWeights<L2, V2>, E> {
+        Ok(ModelWeights {
+            embed_tokens: lin(&self.embed_tokens)?,
+            layers: self
+                .layers
+                .iter()
+                .map(|l| l.try_map(&mut lin, &mut vec))
+                .collect::<std::result::Result<_, E>>()?,
+            final_norm: vec(&self.final_norm)?,
+            lm_head: self.lm_head.as_ref().map(&mut lin).transpose()?,
+        })
+    }
 }
 
 /// Tensor names of one architecture in one file format, by role: the one
