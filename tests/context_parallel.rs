@@ -39,45 +39,16 @@ fn load(model: &str) -> LoadedModel {
     te_models::loader::load_model(&source).unwrap()
 }
 
-/// Every reference prompt, batched, at `cp` ranks: the reference tokens.
-fn reference_tokens_batched(model: &str, cp: &str) {
-    let lines = read_jsonl(model, "greedy.jsonl");
-    let mut args = vec![
-        "generate",
-        "--model",
-        model,
-        "--json",
-        "--max-new-tokens",
-        "32",
-        "--ignore-eos",
-        "--context-parallel",
-        cp,
-    ];
-    for line in &lines {
-        args.extend(["--prompt", line["prompt"].as_str().unwrap()]);
-    }
-    let out = te_json(&args);
-    assert_eq!(out.len(), lines.len());
-    for (o, line) in out.iter().zip(&lines) {
-        assert_eq!(
-            ids(&o["tokens"]),
-            ids(&line["tokens"]),
-            "{model}, {cp} ranks, prompt {}",
-            line["prompt"]
-        );
-    }
-}
-
 #[test]
 fn smollm2_reference_tokens_on_4_and_3_ranks() {
-    reference_tokens_batched("smollm2-135m", "4");
-    reference_tokens_batched("smollm2-135m", "3");
+    check_greedy_batched_with("smollm2-135m", &["--context-parallel", "4"]);
+    check_greedy_batched_with("smollm2-135m", &["--context-parallel", "3"]);
 }
 
 #[test]
 fn gemma3_reference_tokens_on_4_and_3_ranks() {
-    reference_tokens_batched("gemma3-270m", "4");
-    reference_tokens_batched("gemma3-270m", "3");
+    check_greedy_batched_with("gemma3-270m", &["--context-parallel", "4"]);
+    check_greedy_batched_with("gemma3-270m", &["--context-parallel", "3"]);
 }
 
 /// Prompts longer than one 512-token prefill chunk (and, on Gemma 3, than
@@ -89,21 +60,12 @@ fn long_prompts_match_one_rank(model: &str) {
     let long = words[..words.len() * 3 / 4].join(" ");
     let prompts = [long.as_str(), text.as_str(), "The capital of France is"];
     let run = |cp: &str| {
-        let mut args = vec![
-            "generate",
-            "--model",
+        te_json(&generate_args(
             model,
-            "--json",
-            "--max-new-tokens",
             "12",
-            "--ignore-eos",
-            "--context-parallel",
-            cp,
-        ];
-        for p in &prompts {
-            args.extend(["--prompt", p]);
-        }
-        te_json(&args)
+            &["--context-parallel", cp],
+            prompts,
+        ))
     };
     let one = run("1");
     assert!(ids(&one[1]["prompt_tokens"]).len() > 1100, "a long prompt");
@@ -242,22 +204,12 @@ fn last_position_logits_within_1e_4_of_one_rank() {
 fn a_prompt_too_long_for_one_rank_runs_on_four() {
     let text = long_text();
     let model = "smollm2-135m";
-    let base = [
-        "generate",
-        "--model",
-        model,
-        "--json",
-        "--max-new-tokens",
-        "16",
-        "--ignore-eos",
-        "--prompt",
-        &text,
-    ];
+    let base = generate_args(model, "16", &[], [text.as_str()]);
     let one = te_json(&base);
     let n = ids(&one[0]["prompt_tokens"]).len();
     assert!(n > 1100, "{n} prompt tokens");
     // One rank of 512 tokens cannot hold it.
-    let mut small = base.to_vec();
+    let mut small = base.clone();
     small.extend(["--kv-cache-tokens", "512"]);
     let (ok, _, stderr) = te(&small);
     assert!(!ok, "a prompt of {n} tokens fit 512: {stderr}");

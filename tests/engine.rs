@@ -183,20 +183,13 @@ fn shared_prefix_is_reused_across_requests() {
     ];
     let prompts: Vec<String> = endings.iter().map(|e| format!("{prefix}{e}")).collect();
     let run = |extra: &[&str]| {
-        let mut args = vec![
-            "generate",
-            "--model",
+        let mut args = generate_args(
             "smollm2-135m",
-            "--json",
-            "--stats",
-            "--max-new-tokens",
             "8",
-            "--ignore-eos",
-        ];
+            &["--stats"],
+            prompts.iter().map(String::as_str),
+        );
         args.extend_from_slice(extra);
-        for p in &prompts {
-            args.extend(["--prompt", p]);
-        }
         let (ok, stdout, stderr) = te(&args);
         assert!(ok, "{stderr}");
         let outs: Vec<serde_json::Value> = stdout

@@ -74,19 +74,8 @@ fn check_roundtrip(model: &str) {
     }
 
     let lines = read_jsonl(model, "greedy.jsonl");
-    let mut args = vec![
-        "generate",
-        "--model",
-        out_str,
-        "--json",
-        "--max-new-tokens",
-        "32",
-        "--ignore-eos",
-    ];
-    for line in &lines[..2] {
-        args.extend(["--prompt", line["prompt"].as_str().unwrap()]);
-    }
-    let outs = te_json(&args);
+    let prompts = lines[..2].iter().map(|l| l["prompt"].as_str().unwrap());
+    let outs = te_json(&generate_args(out_str, "32", &[], prompts));
     assert_eq!(outs.len(), 2);
     for (o, line) in outs.iter().zip(&lines) {
         assert_eq!(

@@ -108,22 +108,36 @@ pub fn check_top20(reference: &Value, logits: &[f32], vocab: usize, atol: f64) {
     );
 }
 
+/// The arguments of `te generate --model <model> --json --max-new-tokens
+/// <max_new_tokens> --ignore-eos <extra...>` with one `--prompt` per prompt.
+pub fn generate_args<'a>(
+    model: &'a str,
+    max_new_tokens: &'a str,
+    extra: &[&'a str],
+    prompts: impl IntoIterator<Item = &'a str>,
+) -> Vec<&'a str> {
+    let mut args = vec![
+        "generate",
+        "--model",
+        model,
+        "--json",
+        "--max-new-tokens",
+        max_new_tokens,
+        "--ignore-eos",
+    ];
+    args.extend(extra);
+    for p in prompts {
+        args.extend(["--prompt", p]);
+    }
+    args
+}
+
 /// For every line of `greedy.jsonl`: `te generate --json --max-new-tokens 32
 /// --ignore-eos --prompt <prompt>` gives exactly `prompt_tokens` and `tokens`.
 pub fn check_greedy_each_prompt(model: &str) {
     for line in read_jsonl(model, "greedy.jsonl") {
         let prompt = line["prompt"].as_str().unwrap();
-        let out = te_json(&[
-            "generate",
-            "--model",
-            model,
-            "--json",
-            "--max-new-tokens",
-            "32",
-            "--ignore-eos",
-            "--prompt",
-            prompt,
-        ]);
+        let out = te_json(&generate_args(model, "32", &[], [prompt]));
         assert_eq!(out.len(), 1);
         let o = &out[0];
         assert_eq!(
@@ -140,26 +154,21 @@ pub fn check_greedy_each_prompt(model: &str) {
 
 /// All prompts of `greedy.jsonl` in one batched run give each its reference tokens.
 pub fn check_greedy_batched(model: &str) {
+    check_greedy_batched_with(model, &[]);
+}
+
+/// [`check_greedy_batched`] with `extra` arguments for `te generate` (such
+/// as `--context-parallel 4`).
+pub fn check_greedy_batched_with(model: &str, extra: &[&str]) {
     let lines = read_jsonl(model, "greedy.jsonl");
-    let mut args = vec![
-        "generate",
-        "--model",
-        model,
-        "--json",
-        "--max-new-tokens",
-        "32",
-        "--ignore-eos",
-    ];
-    for line in &lines {
-        args.extend(["--prompt", line["prompt"].as_str().unwrap()]);
-    }
-    let out = te_json(&args);
+    let prompts = lines.iter().map(|l| l["prompt"].as_str().unwrap());
+    let out = te_json(&generate_args(model, "32", extra, prompts));
     assert_eq!(out.len(), lines.len());
     for (o, line) in out.iter().zip(&lines) {
         assert_eq!(
             ids(&o["tokens"]),
             ids(&line["tokens"]),
-            "prompt {}",
+            "{model} {extra:?}, prompt {}",
             line["prompt"]
         );
     }

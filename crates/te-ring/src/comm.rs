@@ -174,11 +174,15 @@ impl Failure {
         })
     }
 
-    /// This failure as rank `cp_rank`'s error.
-    pub fn error(&self, cp_rank: usize) -> RingError {
+    /// The error of every call on rank `cp_rank` after its ring ended:
+    /// the recorded `failure`, or a plain abort when none was recorded.
+    pub fn error_after(failure: Option<&Failure>, cp_rank: usize) -> RingError {
         RingError::Communication {
             cp_rank,
-            reason: format!("rank {} failed: {}", self.origin, self.reason),
+            reason: match failure {
+                Some(f) => format!("rank {} failed: {}", f.origin, f.reason),
+                None => "the ring was aborted".into(),
+            },
         }
     }
 }
@@ -244,13 +248,7 @@ impl ThreadComm {
 
     /// The error of every call after the ring failed.
     fn failure_error(&self) -> RingError {
-        match &self.failure {
-            Some(f) => f.error(self.cp_rank),
-            None => RingError::Communication {
-                cp_rank: self.cp_rank,
-                reason: "the ring was aborted".into(),
-            },
-        }
+        Failure::error_after(self.failure.as_ref(), self.cp_rank)
     }
 
     /// The failure a block received from the previous rank announces.

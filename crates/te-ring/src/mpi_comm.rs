@@ -172,13 +172,7 @@ impl MpiComm {
 
     /// The error of every call after the ring failed.
     fn failure_error(&self) -> RingError {
-        match &self.failure {
-            Some(f) => f.error(self.cp_rank),
-            None => RingError::Communication {
-                cp_rank: self.cp_rank,
-                reason: "the ring was aborted".into(),
-            },
-        }
+        Failure::error_after(self.failure.as_ref(), self.cp_rank)
     }
 
     /// Starts sending `block` to the next rank, after the previous send
