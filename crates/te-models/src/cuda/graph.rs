@@ -28,9 +28,10 @@ use crate::Result;
 /// Batch buckets of graph decode steps; larger batches run plainly.
 pub const BUCKETS: [usize; 8] = [1, 2, 4, 8, 16, 32, 64, 128];
 
-/// The bucket of a decode step of `b` sequences, `None` beyond the last.
+/// The bucket of a decode step of `b` sequences, `None` for an empty step
+/// or beyond the last bucket.
 pub(crate) fn bucket(b: usize) -> Option<usize> {
-    BUCKETS.iter().copied().find(|&s| s >= b)
+    BUCKETS.iter().copied().find(|&s| s >= b).filter(|_| b > 0)
 }
 
 /// A captured graph that may move to another thread with its workspace.
@@ -50,6 +51,8 @@ pub(crate) struct GraphStep {
     bufs: StepBufs,
     graph: Option<SendGraph>,
     shape: PlanShape,
+    /// The graph ends with the argmax (greedy steps) or at the logits.
+    greedy: bool,
     /// The capture failed once: run plainly.
     failed: bool,
 }
@@ -87,9 +90,10 @@ pub(crate) fn step<'g>(
     let dp = g.bufs.plan.get_or_insert_with(Default::default);
     dp.build(model, &cuda.dev, cache, plan, tokens, Some(bucket))?;
     let shape = dp.shape();
-    if g.shape != shape {
-        // Launch sizes change: the old graph no longer fits (and the
-        // upload below may reallocate buffers it points at).
+    if g.shape != shape || g.greedy != greedy {
+        // Launch sizes change (or the argmax comes or goes): the old graph
+        // no longer fits (and the upload below may reallocate buffers it
+        // points at).
         g.graph = None;
     }
     dp.upload(cuda.stream())?;
@@ -104,6 +108,7 @@ pub(crate) fn step<'g>(
             Ok(graph) => {
                 g.graph = Some(SendGraph(graph));
                 g.shape = shape;
+                g.greedy = greedy;
             }
             Err(e) => {
                 eprintln!(

@@ -194,6 +194,14 @@ impl CudaModel {
             .map_or(GemmBackend::Kernel, |c| c.gemm_backend())
     }
 
+    /// Makes the products run on `backend` (the GEMM kernel's rows do not
+    /// depend on the batch, cuBLAS' algorithm may: for exact comparisons).
+    ///
+    /// Errors: [`GemmBackend::Cublas`] when cuBLAS did not load.
+    pub fn set_gemm_backend(&self, backend: GemmBackend) -> Result<()> {
+        self.lock()?.set_gemm_backend(backend)
+    }
+
     /// The stream everything runs on.
     pub fn stream(&self) -> Result<Arc<CudaStream>> {
         Ok(self.lock()?.stream().clone())

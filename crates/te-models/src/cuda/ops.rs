@@ -191,6 +191,17 @@ impl Cuda {
         self.backend
     }
 
+    /// Makes the products run on `backend`.
+    ///
+    /// Errors: [`GemmBackend::Cublas`] when cuBLAS did not load.
+    pub fn set_gemm_backend(&mut self, backend: GemmBackend) -> Result<()> {
+        if backend == GemmBackend::Cublas && self.blas.is_none() {
+            return Err(ModelError::Cuda("cuBLAS is not loaded".into()));
+        }
+        self.backend = backend;
+        Ok(())
+    }
+
     /// The stream every op runs on.
     pub fn stream(&self) -> &Arc<CudaStream> {
         self.dev.stream()
