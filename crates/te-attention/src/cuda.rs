@@ -210,42 +210,13 @@ impl DotProductAttention {
         lse: Option<&mut CudaViewMut<'_, f32>>,
         num_kv_splits: Option<usize>,
     ) -> Result<(), AttentionError> {
-        let plan = self.plan(
+        let Some(launch) = self.prepare_cuda(
+            dev,
             q.len(),
-            &kv.lens(),
+            kv,
             meta,
             out.len(),
             lse.as_ref().map(|l| l.len()),
-        )?;
-        if self.head_dim_v > MAX_HEAD_DIM_V {
-            return Err(AttentionError::InvalidArgument {
-                op: OP,
-                arg: "head_dim_v",
-                reason: format!(
-                    "{} exceeds the CUDA kernel's {MAX_HEAD_DIM_V}",
-                    self.head_dim_v
-                ),
-            });
-        }
-        if num_kv_splits == Some(0) {
-            return Err(AttentionError::InvalidArgument {
-                op: OP,
-                arg: "num_kv_splits",
-                reason: "must be >= 1".into(),
-            });
-        }
-        let b = meta.batch;
-        if b == 0 || plan.q_rows == 0 {
-            return Ok(());
-        }
-        let Some(launch) = prepare(
-            self,
-            dev,
-            &plan,
-            kv,
-            meta,
-            [q.len(), out.len()],
-            lse.is_some(),
             num_kv_splits,
         )?
         else {
@@ -427,11 +398,6 @@ impl CudaAttnLaunch {
     /// max_pages_per_seq]` as i64: what `meta_dev` must hold.
     pub fn meta(&self) -> &[i64] {
         &self.meta
-    }
-
-    /// The KV splits of the launch (1: no split, no combine launch).
-    pub fn kv_splits(&self) -> usize {
-        self.splits
     }
 
     /// The launch with its metadata cleared: what stays fixed when only

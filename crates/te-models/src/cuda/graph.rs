@@ -26,7 +26,7 @@ use crate::model::Model;
 use crate::Result;
 
 /// Batch buckets of graph decode steps; larger batches run plainly.
-pub const BUCKETS: [usize; 8] = [1, 2, 4, 8, 16, 32, 64, 128];
+pub(crate) const BUCKETS: [usize; 8] = [1, 2, 4, 8, 16, 32, 64, 128];
 
 /// The bucket of a decode step of `b` sequences, `None` for an empty step
 /// or beyond the last bucket.

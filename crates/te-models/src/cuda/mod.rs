@@ -15,7 +15,7 @@
 //!
 //! A step's metadata (tokens, RoPE runs, KV-save rows, attention's
 //! per-sequence fields and page tables, logit rows) is built on the host
-//! once and uploaded once per step ([`DevicePlan`]); every layer's launches
+//! once and uploaded once per step (`DevicePlan`, `plan.rs`); every layer's launches
 //! read it there. With `--cuda-graphs` ([`Model::set_cuda_graphs`]), decode
 //! steps are padded to a batch bucket and replay a CUDA graph captured once
 //! per bucket (`graph.rs`).
@@ -38,7 +38,7 @@ use te_cache::InferenceParams;
 use te_kernels::cuda::{save_kv_cuda_planned, CudaRopeTable};
 
 pub use ops::{Cuda, CudaLinear, GemmBackend, LAUNCHES};
-pub use plan::DevicePlan;
+use plan::DevicePlan;
 pub use storage::{CudaKvStorage, KvStore};
 
 use crate::layer::{Layer, Qkv, Rows};

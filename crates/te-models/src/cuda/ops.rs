@@ -105,7 +105,7 @@ pub struct Cuda {
     pub(crate) x_bf16: Option<CudaSlice<bf16>>,
     backend: GemmBackend,
     /// The step's plan on the device while a step runs
-    /// ([`super::plan::DevicePlan`]): the embedding, row gather, RoPE, KV
+    /// (`DevicePlan`, `plan.rs`): the embedding, row gather, RoPE, KV
     /// save and attention read their metadata from it instead of
     /// uploading it per call.
     pub(crate) plan: Option<Box<DevicePlan>>,

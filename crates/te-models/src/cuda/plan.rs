@@ -51,7 +51,7 @@ struct PoolPlan {
 /// GEMMs' bf16 activations). Device buffers grow, never shrink: a run of
 /// steps of one shape allocates nothing after the first.
 #[derive(Default)]
-pub struct DevicePlan {
+pub(crate) struct DevicePlan {
     /// Host: the (padded) batch `B` and the four arrays.
     batch: usize,
     i32s: Vec<i32>,
