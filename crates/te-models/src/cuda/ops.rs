@@ -42,6 +42,8 @@ pub const OPS_THREADS: u32 = 256;
 /// of `y` (`GEMM_BM = GEMM_BN`).
 pub const GEMM_THREADS: u32 = 128;
 const GEMM_TILE: usize = 64;
+/// cuBLAS' workspace: 32 MiB, what NVIDIA advises for Hopper.
+const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
 /// Blocks of an elementwise launch at most (grid-stride loops do the rest).
 const MAX_ELEMENTWISE_BLOCKS: usize = 4096;
 
@@ -102,6 +104,8 @@ pub enum GemmBackend {
 pub struct Cuda {
     pub(crate) dev: CudaDevice,
     blas: Option<CudaBlas>,
+    /// cuBLAS' workspace (`cublasSetWorkspace`), kept while `blas` lives.
+    _blas_workspace: Option<CudaSlice<u8>>,
     pub(crate) x_bf16: Option<CudaSlice<bf16>>,
     backend: GemmBackend,
     /// The step's plan on the device while a step runs
@@ -172,6 +176,33 @@ impl Cuda {
         } else {
             None
         };
+        // cuBLAS' workspace, ours: made before any capture, so a captured
+        // product never allocates one.
+        let blas_workspace = match &blas {
+            Some(blas) => {
+                let mut ws = dev
+                    .stream()
+                    .alloc_zeros::<u8>(CUBLAS_WORKSPACE_BYTES)
+                    .map_err(|e| cuda_err("alloc", e))?;
+                let stream = dev.stream().clone();
+                let (p, _rw) = ws.device_ptr_mut(&stream);
+                // SAFETY: `ws` outlives the handle's use (both live in
+                // `Cuda`; the handle is dropped first, fields in order).
+                let status = unsafe {
+                    blas_sys::cublasSetWorkspace_v2(
+                        *blas.handle(),
+                        p as *mut _,
+                        CUBLAS_WORKSPACE_BYTES,
+                    )
+                };
+                if status != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                    return Err(cuda_err("cublasSetWorkspace", status));
+                }
+                drop(_rw);
+                Some(ws)
+            }
+            None => None,
+        };
         let backend = if blas.is_some() {
             GemmBackend::Cublas
         } else {
@@ -180,6 +211,7 @@ impl Cuda {
         Ok(Cuda {
             dev,
             blas,
+            _blas_workspace: blas_workspace,
             x_bf16: None,
             backend,
             plan: None,
