@@ -142,9 +142,9 @@ fn view<T>(slot: &Option<CudaSlice<T>>, range: std::ops::Range<usize>) -> Result
 
 impl DevicePlan {
     /// Builds the host half for the step `plan` of `tokens: [t]` planned
-    /// in `cache`, padded to `pad_to` one-token sequences when given (a
-    /// decode step of `b <= pad_to` sequences), the rows that get logits
-    /// `rows`: each sequence's last token.
+    /// in `cache`, padded to `pad_to` sequences when given (a decode step
+    /// of `b <= pad_to` one-token sequences). The rows that get logits are
+    /// each sequence's last token.
     ///
     /// Errors: a host cache, a failed copy-on-write, invalid shapes (those
     /// of the KV save and attention).
