@@ -103,7 +103,7 @@ for m in tiny-llama tiny-gemma tiny-gemma2 tiny-gemma3; do
     continue
   fi
   if [ "$dry" -eq 1 ]; then
-    echo "   plan: te generate --device cuda --model random:$m (same prompts), tokens equal to $cpu"
+    echo "   plan: te generate --device cuda --model random:$m (same prompts), tokens equal to $cpu; then with --cuda-graphs, equal to plain cuda"
   elif [ "$has_cuda_model" -eq 1 ]; then
     gpu="$out/$m.cuda.jsonl"
     if ! "$te" generate --device cuda --model "random:$m" --prompt "The GPU check" --prompt "ab" \
@@ -116,6 +116,18 @@ for m in tiny-llama tiny-gemma tiny-gemma2 tiny-gemma3; do
       # tie may differ. The bf16-matched comparison is cuda_model's
       # tiny_models_cuda_match_cpu (step 1).
       row "$m cuda vs cpu" "differ" "f32 cpu weights vs bf16 gpu; see $gpu and step 1"
+    fi
+    # Decode steps from CUDA graphs. With cuBLAS a padded batch may pick
+    # another algorithm, so a near tie may differ; the exact check (GEMM
+    # kernel) is cuda_model's graph_decode_matches_plain_decode (step 1).
+    graphs="$out/$m.cuda-graphs.jsonl"
+    if ! "$te" generate --device cuda --cuda-graphs --model "random:$m" --prompt "The GPU check" --prompt "ab" \
+        --max-new-tokens 16 --ignore-eos --json >"$graphs" 2>"$out/$m.cuda-graphs.err"; then
+      fail "$m cuda --cuda-graphs" "see $out/$m.cuda-graphs.err"
+    elif cmp -s "$gpu" "$graphs"; then
+      row "$m graphs vs plain" "ok" "greedy tokens equal"
+    else
+      row "$m graphs vs plain" "differ" "see $graphs and step 1"
     fi
   else
     row "$m cuda vs cpu" "-" "$not_built"
