@@ -3,7 +3,9 @@
 // kv_save: k [rows_k, h_kv * d_k], v [rows_v, h_kv * d_v] (bshd/sbhd/thd
 // token rows); k_cache [num_pages * page_size, h_kv * d_k], v_cache likewise.
 // The host resolves the page table into `pairs` ([n, 2] u64: source token
-// row, cache row; cache rows distinct), so the kernel is a pure copy.
+// row, cache row; cache rows distinct), so the kernel is a pure copy. A cache
+// row of ~0 (KV_SKIP) copies nothing: the padded rows of a CUDA-graph decode
+// step, whose launch size is fixed by its batch bucket.
 // convert_thd_to_bshd: bshd row (b, i) = thd row cu_seqlens[b] + i, or zeros
 // past the sequence's length; convert_bshd_to_thd: thd row r of sequence b =
 // bshd row (b, r - cu_seqlens[b]), or zeros for r >= cu_seqlens[b].
@@ -26,6 +28,7 @@ template <typename T>
 __device__ void kv_save(T* k_cache, T* v_cache, const T* k, const T* v,
                         const unsigned long long* pairs, const KvSaveParams p) {
     const unsigned long long src = pairs[2 * blockIdx.x], dst = pairs[2 * blockIdx.x + 1];
+    if (dst == ~0ull) return;  // KV_SKIP
     for (long long e = threadIdx.x; e < p.row_k; e += blockDim.x) k_cache[dst * p.row_k + e] = k[src * p.row_k + e];
     for (long long e = threadIdx.x; e < p.row_v; e += blockDim.x) v_cache[dst * p.row_v + e] = v[src * p.row_v + e];
 }

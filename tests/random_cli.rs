@@ -107,3 +107,22 @@ fn unknown_preset_is_a_one_line_error() {
         "{stderr}"
     );
 }
+
+#[test]
+fn cuda_graphs_on_the_cpu_is_a_clear_error() {
+    let (ok, _, stderr) = te(&[
+        "generate",
+        "--model",
+        "random:tiny-llama",
+        "--prompt",
+        "x",
+        "--device",
+        "cpu",
+        "--cuda-graphs",
+    ]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("--cuda-graphs needs a GPU") && stderr.contains("--device cuda"),
+        "{stderr}"
+    );
+}

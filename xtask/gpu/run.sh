@@ -9,8 +9,9 @@
 # Steps: 1 kernel parity, 2 tiny random models cuda vs cpu, 3 the Gemma-7B
 # tutorial workload (random bf16 weights, batch 64, 20 + 492 tokens, with
 # and without CUDA graphs), 4 the Hugging Face baseline of the same workload,
-# 5 decode tokens/s at batch 1, 8, 64 and kernel bandwidth against a
-# device-to-device copy, 6 one table. A GPU step whose te-rs side does not
+# 5 decode tokens/s at batch 1, 8, 64 (with and without CUDA graphs) and
+# kernel bandwidth against a device-to-device copy (cuda_model's
+# kernel_bandwidth), 6 one table. A GPU step whose te-rs side does not
 # exist yet is reported as "not built yet", never faked. Logs go to $OUT (or
 # ./out beside this script). Exit status: non-zero if any step that ran failed.
 set -uo pipefail
@@ -82,7 +83,8 @@ for t in "$here"/tests/*; do
     fi
     "$t" --list --ignored 2>/dev/null | sed -n 's/: test$//p' | sed 's/^/   plan: /'
   else
-    if "$t" --include-ignored --test-threads=1 2>&1 | tee "$out/$name.log"; then
+    # kernel_bandwidth is a report, run in step 5.
+    if "$t" --include-ignored --test-threads=1 --skip kernel_bandwidth 2>&1 | tee "$out/$name.log"; then
       row "parity $name" "ok" "$(grep -o '[0-9]* passed' "$out/$name.log" | tail -1)"
     else
       fail "parity $name" "see $out/$name.log"
@@ -101,7 +103,7 @@ for m in tiny-llama tiny-gemma tiny-gemma2 tiny-gemma3; do
     continue
   fi
   if [ "$dry" -eq 1 ]; then
-    echo "   plan: te generate --device cuda --model random:$m (same prompts), tokens equal to $cpu"
+    echo "   plan: te generate --device cuda --model random:$m (same prompts), tokens equal to $cpu; then with --cuda-graphs, equal to plain cuda"
   elif [ "$has_cuda_model" -eq 1 ]; then
     gpu="$out/$m.cuda.jsonl"
     if ! "$te" generate --device cuda --model "random:$m" --prompt "The GPU check" --prompt "ab" \
@@ -114,6 +116,18 @@ for m in tiny-llama tiny-gemma tiny-gemma2 tiny-gemma3; do
       # tie may differ. The bf16-matched comparison is cuda_model's
       # tiny_models_cuda_match_cpu (step 1).
       row "$m cuda vs cpu" "differ" "f32 cpu weights vs bf16 gpu; see $gpu and step 1"
+    fi
+    # Decode steps from CUDA graphs. With cuBLAS a padded batch may pick
+    # another algorithm, so a near tie may differ; the exact check (GEMM
+    # kernel) is cuda_model's graph_decode_matches_plain_decode (step 1).
+    graphs="$out/$m.cuda-graphs.jsonl"
+    if ! "$te" generate --device cuda --cuda-graphs --model "random:$m" --prompt "The GPU check" --prompt "ab" \
+        --max-new-tokens 16 --ignore-eos --json >"$graphs" 2>"$out/$m.cuda-graphs.err"; then
+      fail "$m cuda --cuda-graphs" "see $out/$m.cuda-graphs.err"
+    elif cmp -s "$gpu" "$graphs"; then
+      row "$m graphs vs plain" "ok" "greedy tokens equal"
+    else
+      row "$m graphs vs plain" "differ" "see $graphs and step 1"
     fi
   else
     row "$m cuda vs cpu" "-" "$not_built"
@@ -134,7 +148,7 @@ if [ "$dry" -eq 1 ]; then
   else
     fail "workload shape, tiny-gemma cpu" "see $out/workload.cpu.err"
   fi
-  echo "   plan: te bench --device cuda --model random:gemma-7b ${workload[*]} (and with --cuda-graphs once te bench has it: not built yet)"
+  echo "   plan: te bench --device cuda --model random:gemma-7b ${workload[*]}, then the same with --cuda-graphs"
 elif [ "$has_cuda_model" -eq 1 ]; then
   graph_modes=("")
   if "$te" bench --help 2>/dev/null | grep -q -- '--cuda-graphs'; then
@@ -169,23 +183,53 @@ else
   fail "hf gemma-7b" "see $out/hf_baseline.log"
 fi
 
-step "5. decode tokens/s at batch 1, 8, 64; kernel bandwidth against a device-to-device copy"
+step "5. decode tokens/s at batch 1, 8, 64 (with and without CUDA graphs); kernel bandwidth against a device-to-device copy"
+decode=(--batched --npp 20 --ntg 128 --npl 1,8,64 -o jsonl)
+decode_dry=(--batched --npp 20 --ntg 32 --npl 1,8,64 -o jsonl)
+tok_s='import json,sys; print(", ".join("b%d %.0f tok/s" % (r["pl"], r["speed_tg"]) for r in map(json.loads, open(sys.argv[1]))))'
+bandwidth_test="$here/tests/cuda_model"
 if [ "$dry" -eq 1 ]; then
-  if "$te" bench --model random:tiny-gemma --batched --npp 20 --ntg 32 --npl 1,8,64 -o jsonl -t "$threads" >"$out/decode.tiny-gemma.cpu.jsonl" 2>"$out/decode.cpu.err"; then
-    row "decode tiny-gemma cpu" "ok" "$(python3 -c 'import json,sys; print(", ".join("b%d %.0f tok/s" % (r["pl"], r["speed_tg"]) for r in map(json.loads, open(sys.argv[1]))))' "$out/decode.tiny-gemma.cpu.jsonl" 2>/dev/null)"
+  if "$te" bench --model random:tiny-gemma "${decode_dry[@]}" -t "$threads" >"$out/decode.tiny-gemma.cpu.jsonl" 2>"$out/decode.cpu.err"; then
+    row "decode tiny-gemma cpu" "ok" "$(python3 -c "$tok_s" "$out/decode.tiny-gemma.cpu.jsonl" 2>/dev/null)"
   else
     fail "decode tiny-gemma cpu" "see $out/decode.cpu.err"
   fi
-  echo "   plan: te bench --device cuda --model random:gemma-7b --batched --npp 20 --ntg 128 --npl 1,8,64"
-  echo "   plan: each kernel's bytes moved / time, against cudaMemcpy device-to-device of the same bytes"
+  if "$te" bench --model random:tiny-gemma "${decode_dry[@]}" --cuda-graphs >/dev/null 2>"$out/decode.graphs-cpu.err"; then
+    fail "--cuda-graphs on cpu" "accepted; expected an error"
+  elif grep -q -- "--cuda-graphs needs a GPU" "$out/decode.graphs-cpu.err"; then
+    row "--cuda-graphs on cpu" "ok" "a clear error"
+  else
+    fail "--cuda-graphs on cpu" "see $out/decode.graphs-cpu.err"
+  fi
+  echo "   plan: te bench --device cuda --model random:gemma-7b ${decode[*]}, then the same with --cuda-graphs"
+  if "$bandwidth_test" --list --ignored 2>/dev/null | grep -q '^kernel_bandwidth: test$'; then
+    row "kernel bandwidth test" "listed" "cuda_model kernel_bandwidth"
+  else
+    fail "kernel bandwidth test" "kernel_bandwidth missing from $bandwidth_test"
+  fi
+  echo "   plan: $bandwidth_test --ignored --exact kernel_bandwidth --nocapture: d2d copy of 1 GiB, then the"
+  echo "         gate/up, down and lm_head products (t = 1, 64; cuBLAS and gemm.cu), RMSNorm and decode"
+  echo "         attention on Gemma-7B shapes, each in GB/s and % of the copy"
 elif [ "$has_cuda_model" -eq 1 ]; then
-  "$te" bench --device cuda --model random:gemma-7b --batched --npp 20 --ntg 128 --npl 1,8,64 -o jsonl >"$out/decode.jsonl" 2>&1 \
-    && row "te decode gemma-7b" "ok" "$(python3 -c 'import json,sys; print(", ".join("b%d %.0f tok/s" % (r["pl"], r["speed_tg"]) for r in map(json.loads, open(sys.argv[1]))))' "$out/decode.jsonl")" \
-    || fail "te decode gemma-7b" "see $out/decode.jsonl"
+  for graphs in "" --cuda-graphs; do
+    label="te decode gemma-7b${graphs:+ $graphs}"
+    log="$out/decode$graphs.jsonl"
+    if "$te" bench --device cuda $graphs --model random:gemma-7b "${decode[@]}" >"$log" 2>"$log.err"; then
+      row "$label" "ok" "$(python3 -c "$tok_s" "$log")"
+    else
+      fail "$label" "see $log.err"
+    fi
+  done
+  if "$bandwidth_test" --ignored --exact kernel_bandwidth --nocapture --test-threads=1 >"$out/bandwidth.txt" 2>&1; then
+    cat "$out/bandwidth.txt"
+    row "kernel bandwidth vs d2d copy" "ok" "$(grep -m1 'd2d copy' "$out/bandwidth.txt" | awk '{print $(NF-2), $(NF-1)}') copy; table in $out/bandwidth.txt"
+  else
+    fail "kernel bandwidth vs d2d copy" "see $out/bandwidth.txt"
+  fi
 else
   row "te decode b1/b8/b64" "-" "$not_built"
+  row "kernel bandwidth vs d2d copy" "-" "$not_built"
 fi
-row "kernel bandwidth vs d2d copy" "-" "not built yet (no device bandwidth benchmark in the bundle)"
 
 step "6. summary"
 printf '%-34s %-8s %s\n' "check" "status" "result"

@@ -109,7 +109,7 @@ impl<T> CudaKvInput<'_, T> {
 
 /// Mirror of `AttnParams` in `kernels/attention.cu`.
 #[repr(C)]
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 struct AttnParams {
     q_rows: i64,
     ring_len: i64,
@@ -210,13 +210,61 @@ impl DotProductAttention {
         lse: Option<&mut CudaViewMut<'_, f32>>,
         num_kv_splits: Option<usize>,
     ) -> Result<(), AttentionError> {
-        let plan = self.plan(
+        let Some(launch) = self.prepare_cuda(
+            dev,
             q.len(),
-            &kv.lens(),
+            kv,
             meta,
             out.len(),
             lse.as_ref().map(|l| l.len()),
-        )?;
+            num_kv_splits,
+        )?
+        else {
+            return Ok(());
+        };
+        let meta_dev = dev.stream().clone_htod(&launch.meta).map_err(cuda_err)?;
+        let mut scratch = CudaAttnScratch::default();
+        let (k, v) = match kv {
+            CudaKvInput::Tensors { k, v } => (k, v),
+            CudaKvInput::Cache {
+                k_cache, v_cache, ..
+            } => (k_cache, v_cache),
+        };
+        run(
+            self,
+            dev,
+            &launch,
+            &meta_dev.slice(..),
+            q,
+            [k, v],
+            out,
+            lse,
+            &mut scratch,
+        )
+    }
+
+    /// The host half of [`forward_cuda_with_splits`](Self::forward_cuda_with_splits):
+    /// validates the arguments (the same checks and errors; `q_len`,
+    /// `out_len`, `lse_len` are the element counts of `q`, `out`, `lse`),
+    /// chooses the grid and KV splits and builds the per-sequence metadata
+    /// ([`CudaAttnLaunch::meta`]) for the caller to upload, so a step's
+    /// layers can share one upload and a captured CUDA graph can be
+    /// replayed with the metadata rewritten in place. `None`: nothing to
+    /// launch (no rows).
+    ///
+    /// Errors: those of `forward_cuda_with_splits` before its launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prepare_cuda<T>(
+        &self,
+        dev: &CudaDevice,
+        q_len: usize,
+        kv: &CudaKvInput<'_, T>,
+        meta: &AttnMetadata<'_>,
+        out_len: usize,
+        lse_len: Option<usize>,
+        num_kv_splits: Option<usize>,
+    ) -> Result<Option<CudaAttnLaunch>, AttentionError> {
+        let plan = self.plan(q_len, &kv.lens(), meta, out_len, lse_len)?;
         if self.head_dim_v > MAX_HEAD_DIM_V {
             return Err(AttentionError::InvalidArgument {
                 op: OP,
@@ -234,11 +282,174 @@ impl DotProductAttention {
                 reason: "must be >= 1".into(),
             });
         }
-        let b = meta.batch;
-        if b == 0 || plan.q_rows == 0 {
-            return Ok(());
+        if meta.batch == 0 || plan.q_rows == 0 {
+            return Ok(None);
         }
-        launch(self, dev, &plan, q, kv, meta, out, lse, num_kv_splits)
+        prepare(
+            self,
+            dev,
+            &plan,
+            kv,
+            meta,
+            [q_len, out_len],
+            lse_len.is_some(),
+            num_kv_splits,
+        )
+    }
+
+    /// The device half: launches `launch` (from [`prepare_cuda`](Self::prepare_cuda)
+    /// on the same shapes; `[k, v]` the tensors or caches of its
+    /// [`CudaKvInput`]) with `meta_dev` holding [`CudaAttnLaunch::meta`]
+    /// on the device (`[meta().len()]` i64), the split partials in
+    /// `scratch` (grown here when too small, so a first run sizes it and
+    /// later runs of the same shape allocate nothing). Asynchronous on
+    /// `dev.stream()`; no host synchronization.
+    ///
+    /// Errors: a buffer whose length differs from the prepared one
+    /// ([`AttentionError::ShapeMismatch`]); driver or launch failures.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_cuda<T: CudaElement>(
+        &self,
+        dev: &CudaDevice,
+        launch: &CudaAttnLaunch,
+        meta_dev: &CudaView<'_, i64>,
+        q: &CudaView<'_, T>,
+        [k, v]: [&CudaView<'_, T>; 2],
+        out: &mut CudaViewMut<'_, T>,
+        lse: Option<&mut CudaViewMut<'_, f32>>,
+        scratch: &mut CudaAttnScratch,
+    ) -> Result<(), AttentionError> {
+        let lens = [
+            ("q", q.len(), launch.lens[0]),
+            ("k", k.len(), launch.lens[1]),
+            ("v", v.len(), launch.lens[2]),
+            ("out", out.len(), launch.lens[3]),
+            ("meta", meta_dev.len(), launch.meta.len()),
+        ];
+        for (arg, got, expected) in lens {
+            if got != expected {
+                return Err(AttentionError::ShapeMismatch {
+                    op: OP,
+                    arg,
+                    expected: vec![expected],
+                    got: vec![got],
+                });
+            }
+        }
+        if lse.is_some() != (launch.params.has_lse != 0) {
+            return Err(AttentionError::InvalidArgument {
+                op: OP,
+                arg: "lse",
+                reason: "given to launch_cuda but not to prepare_cuda, or the reverse".into(),
+            });
+        }
+        run(self, dev, launch, meta_dev, q, [k, v], out, lse, scratch)
+    }
+
+    /// The KV splits [`forward_cuda`](Self::forward_cuda) would choose for
+    /// `batch` sequences of `max_seqlen_q` query rows with at most
+    /// `max_keys` visible keys each, on `dev` (for callers that fix the
+    /// split count, e.g. a CUDA graph captured once for many steps).
+    ///
+    /// Errors: the device attribute query failed.
+    pub fn cuda_kv_splits(
+        &self,
+        dev: &CudaDevice,
+        batch: usize,
+        max_seqlen_q: usize,
+        max_keys: usize,
+    ) -> Result<usize, AttentionError> {
+        let tiles = (max_seqlen_q * self.kv_group()).div_ceil(ROWS);
+        let sm_count = dev
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(cuda_err)? as usize;
+        Ok(choose_splits(
+            tiles * self.num_gqa_groups * batch,
+            max_keys,
+            sm_count,
+        ))
+    }
+}
+
+/// A validated CUDA attention launch ([`DotProductAttention::prepare_cuda`]):
+/// the kernels' by-value parameters and grids, the buffer lengths they were
+/// checked for, and the per-sequence metadata to upload. Launches whose
+/// [`shape`](Self::shape)s are equal issue the same kernels with the same
+/// parameters; only the metadata's contents differ.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CudaAttnLaunch {
+    params: AttnParams,
+    /// Row tiles (grid x of `attn_fwd`) and query rows per sequence
+    /// (grid x of `attn_combine`).
+    tiles: usize,
+    max_q: usize,
+    splits: usize,
+    smem: usize,
+    /// Elements of q, k (or k_cache), v (or v_cache), out.
+    lens: [usize; 4],
+    meta: Vec<i64>,
+}
+
+impl CudaAttnLaunch {
+    /// `[b, 8]` i64 per-sequence fields (`SeqInfo` of the kernel: sq,
+    /// skv, first key, diagonal offset, q row base/stride, kv row
+    /// base/stride), then for a cache the page table `[b,
+    /// max_pages_per_seq]` as i64: what `meta_dev` must hold.
+    pub fn meta(&self) -> &[i64] {
+        &self.meta
+    }
+
+    /// The launch with its metadata cleared: what stays fixed when only
+    /// the metadata's contents change (a captured graph's key).
+    pub fn shape(&self) -> CudaAttnLaunch {
+        CudaAttnLaunch {
+            meta: Vec::new(),
+            ..self.clone()
+        }
+    }
+}
+
+/// Device scratch of CUDA attention, reused across launches: the split
+/// partials `o_part: [splits, q_rows, h_q, d_v]` and `lse_part: [splits,
+/// q_rows, h_q]` f32, and a one-element stand-in for an absent `lse`.
+/// Grows, never shrinks; a buffer is reallocated only when too small.
+#[derive(Default)]
+pub struct CudaAttnScratch {
+    dummy: Option<CudaSlice<f32>>,
+    o_part: Option<CudaSlice<f32>>,
+    lse_part: Option<CudaSlice<f32>>,
+}
+
+impl std::fmt::Debug for CudaAttnScratch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaAttnScratch")
+            .field("o_part", &self.o_part.as_ref().map(|b| b.len()))
+            .finish_non_exhaustive()
+    }
+}
+
+/// `slot` holding at least `len` f32 (allocated when absent or shorter).
+fn grow<'s>(
+    dev: &CudaDevice,
+    slot: &'s mut Option<CudaSlice<f32>>,
+    len: usize,
+) -> Result<&'s mut CudaSlice<f32>, AttentionError> {
+    if slot.as_ref().is_none_or(|b| b.len() < len) {
+        *slot = Some(dev.stream().alloc_zeros(len).map_err(cuda_err)?);
+    }
+    Ok(slot.as_mut().expect("allocated above"))
+}
+
+impl<T> CudaKvInput<'_, T> {
+    /// Elements of the key and value tensors (or caches).
+    fn tensor_lens(&self) -> (usize, usize) {
+        match self {
+            CudaKvInput::Tensors { k, v } => (k.len(), v.len()),
+            CudaKvInput::Cache {
+                k_cache, v_cache, ..
+            } => (k_cache.len(), v_cache.len()),
+        }
     }
 }
 
@@ -297,17 +508,18 @@ fn choose_splits(blocks: usize, max_keys: usize, sm_count: usize) -> usize {
     want.min(max_keys / MIN_KEYS_PER_SPLIT).clamp(1, MAX_SPLITS)
 }
 
-fn launch<T: CudaElement>(
+/// The host side of a launch on validated arguments: grid, splits,
+/// parameters and metadata; `None` when no query row exists.
+fn prepare<T>(
     attn: &DotProductAttention,
     dev: &CudaDevice,
     plan: &Plan,
-    q: &CudaView<'_, T>,
     kv: &CudaKvInput<'_, T>,
     meta: &AttnMetadata<'_>,
-    out: &mut CudaViewMut<'_, T>,
-    lse: Option<&mut CudaViewMut<'_, f32>>,
+    [q_len, out_len]: [usize; 2],
+    has_lse: bool,
     num_kv_splits: Option<usize>,
-) -> Result<(), AttentionError> {
+) -> Result<Option<CudaAttnLaunch>, AttentionError> {
     let (b, hq, hkv) = (meta.batch, attn.num_attention_heads, attn.num_gqa_groups);
     let (dqk, dv, group) = (attn.head_dim_qk, attn.head_dim_v, attn.kv_group());
     let q_thd = attn.qkv_format == QkvFormat::Thd;
@@ -318,7 +530,7 @@ fn launch<T: CudaElement>(
         meta.max_seqlen_q
     };
     if max_q == 0 {
-        return Ok(());
+        return Ok(None);
     }
     let tiles = (max_q * group).div_ceil(ROWS);
     let max_keys = plan
@@ -389,35 +601,63 @@ fn launch<T: CudaElement>(
         page_size: to_i32("kv_cache.page_size", page_size)?,
         max_pages_per_seq: to_i32("kv_cache.max_pages_per_seq", max_pages)?,
         num_splits: splits as i32,
-        has_lse: lse.is_some() as i32,
+        has_lse: has_lse as i32,
         scale: attn.effective_softmax_scale(),
         softcap: attn.softcap.unwrap_or(0.0),
     };
 
+    let (k_len, v_len) = kv.tensor_lens();
+    Ok(Some(CudaAttnLaunch {
+        params,
+        tiles,
+        max_q,
+        splits,
+        smem,
+        lens: [q_len, k_len, v_len, out_len],
+        meta: seq_fields(attn, plan, kv, meta),
+    }))
+}
+
+/// The device side: one `attn_fwd` launch and, when split, one
+/// `attn_combine`, reading `meta_dev` and the partials in `scratch`.
+#[allow(clippy::too_many_arguments)]
+fn run<T: CudaElement>(
+    attn: &DotProductAttention,
+    dev: &CudaDevice,
+    launch: &CudaAttnLaunch,
+    meta_dev: &CudaView<'_, i64>,
+    q: &CudaView<'_, T>,
+    [k, v]: [&CudaView<'_, T>; 2],
+    out: &mut CudaViewMut<'_, T>,
+    lse: Option<&mut CudaViewMut<'_, f32>>,
+    scratch: &mut CudaAttnScratch,
+) -> Result<(), AttentionError> {
+    let (params, splits, smem) = (&launch.params, launch.splits, launch.smem);
+    let (hq, hkv, dv) = (
+        attn.num_attention_heads,
+        attn.num_gqa_groups,
+        attn.head_dim_v,
+    );
+    let b = params.batch as usize;
     let stream = dev.stream();
-    let meta_dev = stream
-        .clone_htod(&seq_fields(attn, plan, kv, meta))
-        .map_err(cuda_err)?;
     // Unused pointer arguments (no lse, no split) get a one-element buffer.
-    let mut dummy: CudaSlice<f32> = stream.alloc_zeros(1).map_err(cuda_err)?;
-    let part_rows = if splits > 1 { plan.q_rows * hq } else { 0 };
-    let mut o_part: CudaSlice<f32> = stream
-        .alloc_zeros((splits * part_rows * dv).max(1))
-        .map_err(cuda_err)?;
-    let mut lse_part: CudaSlice<f32> = stream
-        .alloc_zeros((splits * part_rows).max(1))
-        .map_err(cuda_err)?;
+    let part_rows = if splits > 1 {
+        params.q_rows as usize * hq
+    } else {
+        0
+    };
+    let CudaAttnScratch {
+        dummy,
+        o_part,
+        lse_part,
+    } = scratch;
+    let o_part = grow(dev, o_part, (splits * part_rows * dv).max(1))?;
+    let lse_part = grow(dev, lse_part, (splits * part_rows).max(1))?;
+    let dummy = grow(dev, dummy, 1)?;
     let mut lse_view = match lse {
         Some(l) => l.slice_mut(..),
         None => dummy.slice_mut(..),
     };
-    let (k, v) = match kv {
-        CudaKvInput::Tensors { k, v } => (k, v),
-        CudaKvInput::Cache {
-            k_cache, v_cache, ..
-        } => (k_cache, v_cache),
-    };
-
     let fwd = dev
         .function(ATTENTION_CU, &format!("attn_fwd_{}", T::SUFFIX))
         .map_err(kernel_err)?;
@@ -430,7 +670,7 @@ fn launch<T: CudaElement>(
     }
     let cfg = LaunchConfig {
         grid_dim: (
-            u32::try_from(tiles).map_err(cuda_err)?,
+            u32::try_from(launch.tiles).map_err(cuda_err)?,
             hkv as u32,
             (b * splits) as u32,
         ),
@@ -442,14 +682,15 @@ fn launch<T: CudaElement>(
         .arg(q)
         .arg(k)
         .arg(v)
-        .arg(&meta_dev)
+        .arg(meta_dev)
         .arg(&mut *out)
         .arg(&mut lse_view)
-        .arg(&mut o_part)
-        .arg(&mut lse_part)
-        .arg(&params);
-    // SAFETY: the arguments match the kernel's signature; `plan` checked
-    // every length against the shapes the kernel indexes, and the page
+        .arg(&mut *o_part)
+        .arg(&mut *lse_part)
+        .arg(params);
+    // SAFETY: the arguments match the kernel's signature; `prepare`
+    // checked every length against the shapes the kernel indexes (and
+    // `launch_cuda` that the buffers are those lengths), and the page
     // table against the cache size.
     unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
 
@@ -458,19 +699,23 @@ fn launch<T: CudaElement>(
             .function(ATTENTION_CU, &format!("attn_combine_{}", T::SUFFIX))
             .map_err(kernel_err)?;
         let cfg = LaunchConfig {
-            grid_dim: (u32::try_from(max_q).map_err(cuda_err)?, hq as u32, b as u32),
+            grid_dim: (
+                u32::try_from(launch.max_q).map_err(cuda_err)?,
+                hq as u32,
+                b as u32,
+            ),
             block_dim: (COMBINE_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut builder = stream.launch_builder(&combine);
         builder
-            .arg(&o_part)
-            .arg(&lse_part)
-            .arg(&meta_dev)
+            .arg(&*o_part)
+            .arg(&*lse_part)
+            .arg(meta_dev)
             .arg(&mut *out)
             .arg(&mut lse_view)
-            .arg(&params);
-        // SAFETY: as above; the partials were sized for `splits` splits.
+            .arg(params);
+        // SAFETY: as above; the partials hold at least `splits` splits.
         unsafe { builder.launch(cfg) }.map_err(cuda_err)?;
     }
     Ok(())

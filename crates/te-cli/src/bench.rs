@@ -106,7 +106,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let ntg = parse_list("--ntg", &args.ntg, None)?;
         let npl = parse_list("--npl", &args.npl, None)?;
         let threads = args.threads.init()?;
-        let loaded = crate::load_on(&args.model, args.device.device)?;
+        let loaded = crate::load_on(&args.model, &args.device)?;
         batched(
             &loaded.model,
             &loaded.tokenizer,
@@ -128,7 +128,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let threads = args.threads.init()?;
         let source = te_models::hub::resolve_model(&args.model)?;
         let info = te_models::inspect::inspect(&source)?;
-        let loaded = crate::load_on(&args.model, args.device.device)?;
+        let loaded = crate::load_on(&args.model, &args.device)?;
         let desc = ModelDesc::new(&source, &info);
         let tests: Vec<(usize, usize)> = n_prompt
             .iter()

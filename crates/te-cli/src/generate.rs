@@ -152,7 +152,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         seed: args.seed,
     };
     sampling.validate().map_err(anyhow::Error::msg)?;
-    let loaded = crate::load_on(&args.model, args.device.device)?;
+    let loaded = crate::load_on(&args.model, &args.device)?;
     let tokenizer = &loaded.tokenizer;
     let mut prompt_tokens = Vec::with_capacity(prompts.len());
     for (i, p) in prompts.iter().enumerate() {

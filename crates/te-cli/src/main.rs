@@ -158,24 +158,38 @@ pub struct DeviceArg {
     /// and awaits its first GPU run (see docs/ARCHITECTURE.md).
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     pub device: te_models::cuda::Device,
+    /// Decode steps (one token per sequence, at most 128 sequences) replay
+    /// a CUDA graph captured once per batch bucket (1, 2, 4, ..., 128; the
+    /// batch padded up to it); prefill and mixed steps run launch by
+    /// launch. Needs a GPU device (an error with `--device cpu`).
+    #[arg(long)]
+    pub cuda_graphs: bool,
 }
 
 fn parse_device(s: &str) -> Result<te_models::cuda::Device, String> {
     te_models::cuda::Device::parse(s).map_err(|e| e.to_string())
 }
 
-/// [`load`], then the model moved to `device` (a note says where, and
-/// which GEMM the GPU uses).
-fn load_on(
-    spec: &str,
-    device: te_models::cuda::Device,
-) -> anyhow::Result<te_models::loader::LoadedModel> {
+/// [`load`], then the model moved to `device.device` (a note says where,
+/// which GEMM the GPU uses and whether decode steps use CUDA graphs).
+/// Errors: `--cuda-graphs` without a GPU (before loading when the device
+/// is `cpu`).
+fn load_on(spec: &str, device: &DeviceArg) -> anyhow::Result<te_models::loader::LoadedModel> {
+    if device.cuda_graphs && device.device == te_models::cuda::Device::Cpu {
+        anyhow::bail!("--cuda-graphs needs a GPU: use --device cuda[:N] (not --device cpu)");
+    }
     let mut loaded = load(spec)?;
-    let on = loaded.model.to_device(device)?;
+    let on = loaded.model.to_device(device.device)?;
+    loaded.model.set_cuda_graphs(device.cuda_graphs)?;
     if let (te_models::cuda::Device::Cuda(n), Some(cm)) = (on, loaded.model.cuda()) {
         note(format_args!(
-            "running on cuda:{n} (GEMM: {:?})",
-            cm.gemm_backend()
+            "running on cuda:{n} (GEMM: {:?}{})",
+            cm.gemm_backend(),
+            if device.cuda_graphs {
+                ", CUDA graphs for decode steps"
+            } else {
+                ""
+            }
         ));
     }
     Ok(loaded)

@@ -316,3 +316,225 @@ fn tiny_models_cuda_match_cpu() {
         assert_eq!(run(&gpu_model), run(&cpu_model), "{preset}: greedy tokens");
     }
 }
+
+/// Tokens of `batch` requests (prompts of 2..12 tokens, 6..10 new tokens
+/// each, so the batch shrinks across buckets) on `preset` on GPU 0 with the
+/// GEMM kernel (its rows do not depend on the batch, so padded and
+/// unpadded steps agree bit for bit), with or without CUDA graphs: greedy
+/// (the device argmax in the graph) or sampled at temperature 1 with a
+/// seed (the logits copied back), since greedy decoding of a tied-embedding
+/// random model tends to repeat its last token whatever the weights.
+fn graph_run(preset: &str, batch: usize, graphs: bool, sampled: bool) -> Vec<Vec<u32>> {
+    let mut model = tiny(preset);
+    model.to_device(Device::Cuda(0)).unwrap();
+    model
+        .cuda()
+        .unwrap()
+        .set_gemm_backend(GemmBackend::Kernel)
+        .unwrap();
+    model.set_cuda_graphs(graphs).unwrap();
+    let requests: Vec<Request> = (0..batch)
+        .map(|i| {
+            let prompt = (0..2 + (i * 5) % 11)
+                .map(|j| (1 + (i * 7 + j * 3) % 29) as u32)
+                .collect();
+            let mut r = Request {
+                ignore_eos: true,
+                ..Request::new(prompt, 6 + i % 5)
+            };
+            if sampled {
+                r.sampling.temperature = 1.0;
+                r.sampling.seed = 3 + i as u64;
+            }
+            r
+        })
+        .collect();
+    let config = EngineConfig {
+        max_batch_size: 128,
+        ..EngineConfig::default()
+    };
+    te_models::generate::generate(&model, &requests, &config, |_, _| {
+        te_models::generate::Control::Continue
+    })
+    .unwrap()
+    .into_iter()
+    .map(|o| o.tokens)
+    .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test --gpu"]
+fn graph_decode_matches_plain_decode() {
+    // 1 and 8 fill their buckets; 3, 13 and 70 are padded (to 4, 16, 128).
+    for preset in ["tiny-llama", "tiny-gemma", "tiny-gemma2", "tiny-gemma3"] {
+        for batch in [1, 3, 8, 13, 70] {
+            for sampled in [false, true] {
+                assert_eq!(
+                    graph_run(preset, batch, true, sampled),
+                    graph_run(preset, batch, false, sampled),
+                    "{preset}, batch {batch}, sampled {sampled}: graph decode vs plain decode"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn cuda_graphs_need_a_gpu_model() {
+    let mut model = tiny("tiny-llama");
+    let err = model.set_cuda_graphs(true).unwrap_err().to_string();
+    assert!(err.contains("--cuda-graphs needs a GPU"), "{err}");
+    model.set_cuda_graphs(false).unwrap();
+}
+
+/// Seconds per call of `f` (after one warm-up call), the stream synchronized
+/// around `iters` calls.
+fn time_per_call(stream: &cudarc::driver::CudaStream, iters: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    stream.synchronize().unwrap();
+    let start = std::time::Instant::now();
+    for _ in 0..iters {
+        f();
+    }
+    stream.synchronize().unwrap();
+    start.elapsed().as_secs_f64() / iters as f64
+}
+
+/// Effective bandwidth of the main kernels on Gemma-7B's shapes against a
+/// device-to-device copy measured in the same run (bytes each kernel must
+/// move at least / time; the copy counts read + write). A report for the
+/// GPU bundle (`run.sh` step 5); it checks only that every figure is
+/// positive and finite.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test --gpu"]
+fn kernel_bandwidth() {
+    use te_attention::cuda::CudaKvInput;
+    use te_attention::{AttnMaskType, AttnMetadata, DotProductAttention};
+    use te_kernels::{KvCacheLayout, QkvFormat};
+
+    let mut c = cuda(true);
+    let stream = c.stream().clone();
+    let mut rng = Rng64::seed_from_u64(14);
+    let gb = |bytes: usize, s: f64| bytes as f64 / s / 1e9;
+    let mut rows: Vec<(String, usize, f64)> = Vec::new();
+
+    // Device-to-device copy of 1 GiB.
+    let n = 1 << 28;
+    let src = c.stream().alloc_zeros::<f32>(n).unwrap();
+    let mut dst = c.stream().alloc_zeros::<f32>(n).unwrap();
+    let s = time_per_call(&stream, 10, || stream.memcpy_dtod(&src, &mut dst).unwrap());
+    rows.push(("d2d copy 1 GiB".into(), 2 * 4 * n, s));
+    drop((src, dst));
+
+    // Products on Gemma-7B's weights (bf16): gate/up, down, lm head.
+    let (hidden, inter, vocab) = (3072, 24576, 256000);
+    let backends = [GemmBackend::Cublas, GemmBackend::Kernel];
+    for (name, out_f, in_f) in [
+        ("gate/up", inter, hidden),
+        ("down", hidden, inter),
+        ("lm_head", vocab, hidden),
+    ] {
+        let w = CudaLinear {
+            weight: c
+                .stream()
+                .clone_htod(&vec![bf16::from_f32(0.01); out_f * in_f])
+                .unwrap(),
+            bias: None,
+            out_features: out_f,
+            in_features: in_f,
+        };
+        for t in [1, 64] {
+            let x = c.upload(&random(t * in_f, &mut rng)).unwrap();
+            let mut y = poisoned(&c, t * out_f);
+            for backend in backends {
+                if backend == GemmBackend::Cublas && c.gemm_backend() != GemmBackend::Cublas {
+                    continue;
+                }
+                let s = time_per_call(&stream, 20, || {
+                    c.linear_with(backend, &w, &x, t, &mut y).unwrap()
+                });
+                let bytes = 2 * out_f * in_f + 4 * t * (in_f + out_f);
+                rows.push((format!("{name} {out_f}x{in_f} t={t} {backend:?}"), bytes, s));
+            }
+        }
+    }
+
+    // RMSNorm of 4096 rows of 3072 (read x, write y).
+    let (r, d) = (4096, hidden);
+    let x = c.upload(&random(r * d, &mut rng)).unwrap();
+    let wn = c.upload(&random(d, &mut rng)).unwrap();
+    let mut y = poisoned(&c, r * d);
+    let s = time_per_call(&stream, 50, || {
+        c.rms_norm_into(&x, &wn, 1e-6, &mut y).unwrap()
+    });
+    rows.push((format!("rmsnorm {r}x{d}"), 2 * 4 * r * d, s));
+
+    // Decode attention: 8 sequences of 4096 cached keys, 16 heads of 256
+    // (Gemma-7B), f32 cache, contiguous layout (one page per sequence).
+    let dev = te_kernels::cuda::CudaDevice::new_capturable(0).unwrap();
+    let (b, h, hd, len) = (8, 16, 256, 4096);
+    let attn = DotProductAttention::new(h, hd)
+        .with_num_gqa_groups(h)
+        .with_attn_mask_type(AttnMaskType::PaddingCausalBottomRight)
+        .with_formats(QkvFormat::Thd, QkvFormat::Thd);
+    let q = dev
+        .stream()
+        .clone_htod(&random(b * h * hd, &mut rng))
+        .unwrap();
+    let kc = dev
+        .stream()
+        .clone_htod(&random(b * len * h * hd, &mut rng))
+        .unwrap();
+    let vc = dev
+        .stream()
+        .clone_htod(&random(b * len * h * hd, &mut rng))
+        .unwrap();
+    let mut out = dev.stream().alloc_zeros::<f32>(b * h * hd).unwrap();
+    let page_table: Vec<i32> = (0..b as i32).collect();
+    let cache_seqlens = vec![len as i32; b];
+    let cu: Vec<i32> = (0..=b as i32).collect();
+    let layout = KvCacheLayout {
+        num_heads_kv: h,
+        head_dim_k: hd,
+        head_dim_v: hd,
+        page_size: len,
+        page_table: &page_table,
+        max_pages_per_seq: 1,
+        cache_seqlens: &cache_seqlens,
+        ring_len: None,
+    };
+    let meta = AttnMetadata {
+        batch: b,
+        max_seqlen_q: 0,
+        max_seqlen_kv: 0,
+        cu_seqlens_q: Some(&cu),
+        cu_seqlens_kv: None,
+    };
+    let kv = CudaKvInput::Cache {
+        k_cache: kc.slice(..),
+        v_cache: vc.slice(..),
+        layout,
+    };
+    let s = time_per_call(dev.stream(), 20, || {
+        attn.forward_cuda(&dev, &q.slice(..), &kv, &meta, &mut out.slice_mut(..), None)
+            .unwrap()
+    });
+    rows.push((
+        format!("attention decode b={b} kv={len} h={h} d={hd}"),
+        2 * 4 * b * len * h * hd,
+        s,
+    ));
+
+    let copy = gb(rows[0].1, rows[0].2);
+    println!("kernel bandwidth (GB/s; % of the device-to-device copy)");
+    for (name, bytes, s) in &rows {
+        let bw = gb(*bytes, *s);
+        assert!(bw.is_finite() && bw > 0.0, "{name}: {bw} GB/s");
+        println!(
+            "  {name:<44} {:>9.1} us {:>8.1} GB/s {:>6.1}%",
+            s * 1e6,
+            bw,
+            100.0 * bw / copy
+        );
+    }
+}

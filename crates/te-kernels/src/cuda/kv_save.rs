@@ -1,7 +1,7 @@
 //! KV-cache save and thd <-> bshd conversions on the GPU
 //! (`kernels/kv_cache.cu`), same arguments and checks as the CPU ops.
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::{cuda_err, CudaDevice, CudaElement, KV_CACHE_CU, KV_CACHE_THREADS};
 use crate::kv_save::plan_save;
@@ -56,36 +56,129 @@ pub fn save_kv_cuda<T: CudaElement>(
     layout: &KvCacheLayout,
     step: &KvStep,
 ) -> Result<(), KernelError> {
-    let mut pairs = Vec::new();
-    plan_save(
-        k.len(),
-        v.len(),
-        k_cache.len(),
-        v_cache.len(),
+    let plan = KvSavePlan::new(
+        [k.len(), v.len(), k_cache.len(), v_cache.len()],
         layout,
         step,
-        &mut pairs,
     )?;
-    if pairs.is_empty() {
+    if plan.rows() == 0 {
         return Ok(());
     }
-    let cfg = grid("save_kv", pairs.len())?;
-    let flat: Vec<u64> = pairs.iter().flat_map(|&(s, d)| [s, d]).collect();
-    let stream = dev.stream();
-    let pairs_dev = stream.clone_htod(&flat).map_err(cuda_err)?;
+    let pairs = dev.stream().clone_htod(plan.pairs()).map_err(cuda_err)?;
+    save_kv_cuda_planned(dev, &plan, &pairs.slice(..), k, v, k_cache, v_cache)
+}
+
+/// A KV save resolved on the host ([`save_kv_cuda`]'s first half): the row
+/// copies `pairs: [n, 2]` u64 (source token row, cache row; cache rows
+/// distinct and in bounds) for the buffer lengths it was checked against.
+/// Upload [`pairs`](Self::pairs) (with a step's other metadata) and run
+/// [`save_kv_cuda_planned`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvSavePlan {
+    pairs: Vec<u64>,
+    /// Elements of k, v, k_cache, v_cache.
+    lens: [usize; 4],
+    params: [i64; 2],
+}
+
+impl KvSavePlan {
+    /// Checks a save of `k`, `v` into `k_cache`, `v_cache` (their element
+    /// counts in `lens`, in that order) laid out as `layout` for `step`,
+    /// and lists its row copies. Errors: those of [`crate::save_kv_cpu`].
+    pub fn new(
+        lens: [usize; 4],
+        layout: &KvCacheLayout,
+        step: &KvStep,
+    ) -> Result<Self, KernelError> {
+        let mut pairs = Vec::new();
+        plan_save(lens[0], lens[1], lens[2], lens[3], layout, step, &mut pairs)?;
+        Ok(KvSavePlan {
+            pairs: pairs.iter().flat_map(|&(s, d)| [s, d]).collect(),
+            lens,
+            params: [
+                (layout.num_heads_kv * layout.head_dim_k) as i64,
+                (layout.num_heads_kv * layout.head_dim_v) as i64,
+            ],
+        })
+    }
+
+    /// The row copies, `[n, 2]` u64 flattened: what the device copy must hold.
+    pub fn pairs(&self) -> &[u64] {
+        &self.pairs
+    }
+
+    /// Rows of the launch (`n`, skipped ones included).
+    pub fn rows(&self) -> usize {
+        self.pairs.len() / 2
+    }
+
+    /// Appends `n` pairs that copy nothing (cache row [`KV_SKIP`]): the
+    /// padded rows of a batch bucket, so the launch keeps its size while
+    /// no real cache row is written for them.
+    pub fn pad_rows(&mut self, n: usize) {
+        for _ in 0..n {
+            self.pairs.extend([0, KV_SKIP]);
+        }
+    }
+}
+
+/// The cache row of a [`KvSavePlan`] pair that `kv_save` skips (`~0`).
+pub const KV_SKIP: u64 = u64::MAX;
+
+/// The device half of [`save_kv_cuda`]: one launch copying the rows of
+/// `plan` with `pairs` (its [`KvSavePlan::pairs`], on the device). No
+/// allocation, no copy: capturable in a CUDA graph and replayable after
+/// `pairs` is rewritten in place. Asynchronous on `dev.stream()`.
+///
+/// Errors: a buffer whose length differs from the one `plan` was checked
+/// for ([`KernelError::ShapeMismatch`]); a launch failure.
+pub fn save_kv_cuda_planned<T: CudaElement>(
+    dev: &CudaDevice,
+    plan: &KvSavePlan,
+    pairs: &CudaView<'_, u64>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    k_cache: &mut CudaSlice<T>,
+    v_cache: &mut CudaSlice<T>,
+) -> Result<(), KernelError> {
+    let got = [k.len(), v.len(), k_cache.len(), v_cache.len()];
+    for (i, arg) in ["k", "v", "k_cache", "v_cache"].into_iter().enumerate() {
+        if got[i] != plan.lens[i] {
+            return Err(KernelError::ShapeMismatch {
+                op: "save_kv",
+                arg,
+                expected: vec![plan.lens[i]],
+                got: vec![got[i]],
+            });
+        }
+    }
+    if pairs.len() != plan.pairs.len() {
+        return Err(KernelError::ShapeMismatch {
+            op: "save_kv",
+            arg: "pairs",
+            expected: vec![plan.rows(), 2],
+            got: vec![pairs.len()],
+        });
+    }
+    if plan.rows() == 0 {
+        return Ok(());
+    }
+    let cfg = grid("save_kv", plan.rows())?;
     let params = KvSaveParams {
-        row_k: (layout.num_heads_kv * layout.head_dim_k) as i64,
-        row_v: (layout.num_heads_kv * layout.head_dim_v) as i64,
+        row_k: plan.params[0],
+        row_v: plan.params[1],
     };
     let f = dev.function(KV_CACHE_CU, &format!("kv_save_{}", T::SUFFIX))?;
+    let stream = dev.stream();
     let mut b = stream.launch_builder(&f);
     b.arg(k_cache)
         .arg(v_cache)
         .arg(k)
         .arg(v)
-        .arg(&pairs_dev)
+        .arg(pairs)
         .arg(&params);
-    // SAFETY: argument types match the kernel; `plan_save` bounded every row.
+    // SAFETY: argument types match the kernel; `plan_save` bounded every
+    // row for these buffer lengths (checked above).
     unsafe { b.launch(cfg) }.map_err(cuda_err)?;
     Ok(())
 }

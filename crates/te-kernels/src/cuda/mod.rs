@@ -20,8 +20,13 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
-pub use kv_save::{convert_bshd_to_thd_cuda, convert_thd_to_bshd_cuda, save_kv_cuda};
-pub use rope::{apply_rope_cuda, apply_rope_cuda_out, CudaRopeTable};
+pub use kv_save::{
+    convert_bshd_to_thd_cuda, convert_thd_to_bshd_cuda, save_kv_cuda, save_kv_cuda_planned,
+    KvSavePlan, KV_SKIP,
+};
+pub use rope::{
+    apply_rope_cuda, apply_rope_cuda_meta, apply_rope_cuda_out, CudaRopeTable, RopeMeta,
+};
 
 use crate::{Element, KernelError};
 
@@ -215,6 +220,27 @@ impl CudaDevice {
         let ctx = CudaContext::new(ordinal).map_err(cuda_err)?;
         let (major, minor) = ctx.compute_capability().map_err(cuda_err)?;
         let stream = ctx.default_stream();
+        Ok(Self {
+            ctx,
+            stream,
+            arch: format!("compute_{major}{minor}"),
+            modules: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// GPU `ordinal` on a stream of its own (not the legacy default stream,
+    /// which cannot be captured into a CUDA graph), with cudarc's event
+    /// tracking off: every buffer is used on this one stream, whose order
+    /// is the synchronization, and a captured launch then waits on no
+    /// event recorded outside the capture. Errors as [`CudaDevice::new`].
+    pub fn new_capturable(ordinal: usize) -> Result<Self, KernelError> {
+        gpu_available().map_err(KernelError::Cuda)?;
+        let ctx = CudaContext::new(ordinal).map_err(cuda_err)?;
+        // SAFETY: before any buffer of this context exists; every buffer of
+        // this device lives on its one stream.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx.compute_capability().map_err(cuda_err)?;
+        let stream = ctx.new_stream().map_err(cuda_err)?;
         Ok(Self {
             ctx,
             stream,

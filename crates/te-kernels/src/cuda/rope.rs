@@ -1,7 +1,7 @@
 //! RoPE on the GPU (`kernels/rope.cu`), same arguments and checks as
 //! [`crate::apply_rope_cpu`].
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::{cuda_err, CudaDevice, CudaElement, ROPE_CU, ROPE_THREADS};
 use crate::rope::{check_no_overlap, TensorStrides};
@@ -70,13 +70,15 @@ fn to_i32(arg: &'static str, v: usize) -> Result<i32, KernelError> {
     })
 }
 
-/// Shared body: `x = None` means in place on `out` with the input strides.
+/// Shared body: `x = None` means in place on `out` with the input strides;
+/// `meta = None`: `args`' cu_seqlens and start positions are uploaded here.
 fn launch<T: CudaElement>(
     dev: &CudaDevice,
     x: Option<&CudaSlice<T>>,
     out: &mut CudaSlice<T>,
     table: &CudaRopeTable,
     args: &RopeArgs,
+    meta: Option<RopeMeta<'_>>,
 ) -> Result<(), KernelError> {
     let plan = args.plan(table.rotary_dim, table.max_positions)?;
     let in_len = x.map_or(out.len(), |x| x.len());
@@ -143,22 +145,40 @@ fn launch<T: CudaElement>(
             arg: "x",
             reason: "too many tokens".into(),
         })?;
-    // Metadata: one host-to-device copy, `[cu_seqlens | start_positions]`.
-    let mut meta: Vec<i32> = if args.cu_seqlens.is_empty() {
-        vec![0]
-    } else {
-        args.cu_seqlens.to_vec()
+    // Metadata: the caller's device copy, or one host-to-device copy
+    // `[cu_seqlens | start_positions]`.
+    let uploaded;
+    let (cu, starts) = match meta {
+        Some(m) => {
+            let cu_len = args.cu_seqlens.len().max(1);
+            let starts_len = args.start_positions.len().max(args.batch);
+            if m.cu_seqlens.len() != cu_len || m.start_positions.len() != starts_len {
+                return Err(KernelError::ShapeMismatch {
+                    op: "rope",
+                    arg: "meta",
+                    expected: vec![cu_len, starts_len],
+                    got: vec![m.cu_seqlens.len(), m.start_positions.len()],
+                });
+            }
+            (m.cu_seqlens.slice(..), m.start_positions.slice(..))
+        }
+        None => {
+            let mut host: Vec<i32> = if args.cu_seqlens.is_empty() {
+                vec![0]
+            } else {
+                args.cu_seqlens.to_vec()
+            };
+            let cu_len = host.len();
+            if args.start_positions.is_empty() {
+                host.resize(cu_len + args.batch, 0);
+            } else {
+                host.extend_from_slice(args.start_positions);
+            }
+            uploaded = dev.stream().clone_htod(&host).map_err(cuda_err)?;
+            (uploaded.slice(..cu_len), uploaded.slice(cu_len..))
+        }
     };
-    let cu_len = meta.len();
-    if args.start_positions.is_empty() {
-        meta.resize(cu_len + args.batch, 0);
-    } else {
-        meta.extend_from_slice(args.start_positions);
-    }
     let stream = dev.stream();
-    let meta = stream.clone_htod(&meta).map_err(cuda_err)?;
-    let cu = meta.slice(..cu_len);
-    let starts = meta.slice(cu_len..);
     let f = dev.function(ROPE_CU, &format!("rope_fwd_{}", T::SUFFIX))?;
     let cfg = LaunchConfig {
         grid_dim: (grid, 1, 1),
@@ -192,7 +212,7 @@ pub fn apply_rope_cuda<T: CudaElement>(
     table: &CudaRopeTable,
     args: &RopeArgs,
 ) -> Result<(), KernelError> {
-    launch(dev, None, x, table, args)
+    launch(dev, None, x, table, args, None)
 }
 
 /// [`crate::apply_rope_cpu_out`] on the GPU: reads strided `x`, writes
@@ -204,5 +224,31 @@ pub fn apply_rope_cuda_out<T: CudaElement>(
     table: &CudaRopeTable,
     args: &RopeArgs,
 ) -> Result<(), KernelError> {
-    launch(dev, Some(x), out, table, args)
+    launch(dev, Some(x), out, table, args, None)
+}
+
+/// `args`' `cu_seqlens: [b + 1]` and `start_positions: [b]` i32 already on
+/// the device (a step's plan, uploaded once for every layer), with the same
+/// contents as the host slices in `args` (which are still what is
+/// validated: positions against the table).
+#[derive(Clone, Copy, Debug)]
+pub struct RopeMeta<'a> {
+    pub cu_seqlens: &'a CudaView<'a, i32>,
+    pub start_positions: &'a CudaView<'a, i32>,
+}
+
+/// [`apply_rope_cuda`] reading the metadata from `meta` instead of
+/// uploading it: no allocation and no copy, so it can be captured in a CUDA
+/// graph and replayed after `meta` is rewritten in place.
+///
+/// Errors: those of [`apply_rope_cuda`]; `meta`'s lengths differ from
+/// `args`' (`[b + 1]`, `[b]`).
+pub fn apply_rope_cuda_meta<T: CudaElement>(
+    dev: &CudaDevice,
+    x: &mut CudaSlice<T>,
+    table: &CudaRopeTable,
+    args: &RopeArgs,
+    meta: RopeMeta<'_>,
+) -> Result<(), KernelError> {
+    launch(dev, None, x, table, args, Some(meta))
 }

@@ -13,14 +13,20 @@
 //! (`libcublas.so`, `libcublas.so.12`); for CUDA 13 wheels (`.so.13` only),
 //! `xtask/gpu/run.sh` links the unversioned names into a directory first.
 //!
+//! A step's metadata (tokens, RoPE runs, KV-save rows, attention's
+//! per-sequence fields and page tables, logit rows) is built on the host
+//! once and uploaded once per step (`DevicePlan`, `plan.rs`); every layer's launches
+//! read it there. With `--cuda-graphs` ([`Model::set_cuda_graphs`]), decode
+//! steps are padded to a batch bucket and replay a CUDA graph captured once
+//! per bucket (`graph.rs`).
+//!
 //! Status: compile-checked (Rust and NVRTC + ptxas); not yet run on a GPU.
 //! The parity tests (`tests/cuda_model.rs`) and the GPU bundle are ready for
-//! the first GPU machine. Not built yet: CUDA graphs for decode steps
-//! (`--cuda-graphs`), and the per-layer uploads of the page table by
-//! te-kernels' KV save and te-attention's launch (a few hundred bytes per
-//! layer; the plan's `cu_seqlens`/positions for RoPE likewise).
+//! the first GPU machine.
 
+mod graph;
 pub mod ops;
+mod plan;
 pub mod storage;
 
 use std::sync::Arc;
@@ -28,17 +34,15 @@ use std::sync::Arc;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
-use te_attention::cuda::CudaKvInput;
-use te_attention::AttnMetadata;
 use te_cache::InferenceParams;
-use te_kernels::cuda::{save_kv_cuda, CudaRopeTable};
-use te_kernels::{KvStep, QkvFormat};
+use te_kernels::cuda::{save_kv_cuda_planned, CudaRopeTable};
 
 pub use ops::{Cuda, CudaLinear, GemmBackend, LAUNCHES};
+use plan::DevicePlan;
 pub use storage::{CudaKvStorage, KvStore};
 
 use crate::layer::{Layer, Qkv, Rows};
-use crate::model::{logit_rows, Logits, Model, ModelBufs};
+use crate::model::{Logits, Model, ModelBufs};
 use crate::ops::{Linear, WeightData};
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
@@ -129,6 +133,8 @@ pub struct CudaModel {
     /// The global and local layers' tables (the same upload twice when equal).
     rope_global: CudaRopeTable,
     rope_local: Option<CudaRopeTable>,
+    /// Decode steps replay CUDA graphs ([`Model::set_cuda_graphs`]).
+    graphs: bool,
 }
 
 impl std::fmt::Debug for CudaModel {
@@ -177,6 +183,7 @@ impl CudaModel {
             weights,
             rope_global,
             rope_local,
+            graphs: false,
         })
     }
 
@@ -185,6 +192,14 @@ impl CudaModel {
         self.cuda
             .lock()
             .map_or(GemmBackend::Kernel, |c| c.gemm_backend())
+    }
+
+    /// Makes the products run on `backend` (the GEMM kernel's rows do not
+    /// depend on the batch, cuBLAS' algorithm may: for exact comparisons).
+    ///
+    /// Errors: [`GemmBackend::Cublas`] when cuBLAS did not load.
+    pub fn set_gemm_backend(&self, backend: GemmBackend) -> Result<()> {
+        self.lock()?.set_gemm_backend(backend)
     }
 
     /// The stream everything runs on.
@@ -199,15 +214,32 @@ impl CudaModel {
     }
 }
 
-/// The CUDA path's device buffers, reused from step to step (exact
-/// lengths: reallocated only when a step's size changes).
+/// The CUDA path's buffers, reused from step to step: those of plain
+/// steps, and one set per CUDA-graph batch bucket (each graph replays
+/// launches on the buffers it was captured with).
 #[derive(Default)]
 pub struct CudaWorkspace {
+    plain: StepBufs,
+    graphs: Vec<graph::GraphStep>,
+}
+
+/// The device buffers one step's launches use: the step plan (and the
+/// scratch it carries), the layers' eight intermediates, the hidden state,
+/// the gathered rows, the logits and the greedy ids (exact lengths:
+/// reallocated only when a step's size changes), and the host copies of
+/// the plan's tokens, RoPE runs and logit rows the model code reads.
+#[derive(Default)]
+pub(crate) struct StepBufs {
+    plan: Option<Box<DevicePlan>>,
     layer: [Option<CudaSlice<f32>>; 8],
     x: Option<CudaSlice<f32>>,
     h: Option<CudaSlice<f32>>,
     logits: Option<CudaSlice<f32>>,
     ids: Option<CudaSlice<u32>>,
+    tokens: Vec<u32>,
+    cu: Vec<i32>,
+    starts: Vec<i32>,
+    rows: Vec<usize>,
 }
 
 /// What a step hands back.
@@ -226,7 +258,9 @@ impl Model {
     /// by [`Model::new_step_cache`]). `greedy`: every sequence takes the
     /// argmax of its last logits; the CUDA path then returns
     /// [`StepOutput::Tokens`] (one id per sequence copied back), else the
-    /// logits `[b, vocab]` of each sequence's last token.
+    /// logits `[b, vocab]` of each sequence's last token. With
+    /// [`Model::set_cuda_graphs`], a decode step (one token per sequence)
+    /// of at most 128 sequences replays a CUDA graph of its batch bucket.
     ///
     /// Errors: those of [`Model::forward`]; CUDA errors; a cache whose
     /// storage is not on the model's device.
@@ -266,9 +300,68 @@ impl Model {
                 plan.num_tokens()
             )));
         }
-        logit_rows(Logits::Last, t, plan.cu_seqlens_q(), &mut ws.rows);
+        let b = plan.batch_size();
         let mut cuda = cm.lock()?;
         let cw = ws.cuda.get_or_insert_with(Default::default);
+        let bucket = graph::bucket(b).filter(|_| cm.graphs && t == b);
+        let bufs = match bucket {
+            Some(bucket) => graph::step(
+                self,
+                cm,
+                &mut cuda,
+                &mut cw.graphs,
+                bucket,
+                tokens,
+                cache,
+                &plan,
+                greedy,
+            )?,
+            None => {
+                let bufs = &mut cw.plain;
+                let dp = bufs.plan.get_or_insert_with(Default::default);
+                dp.build(self, &cuda.dev, cache, &plan, tokens, None)?;
+                dp.upload(cuda.stream())?;
+                self.launch_step(cm, &mut cuda, bufs, cache, greedy)?;
+                bufs
+            }
+        };
+        // Rows b.. are a graph bucket's padding: dropped.
+        let vocab = self.config.vocab_size;
+        if greedy {
+            let ids = bufs.ids.as_ref().ok_or_else(|| no_output("ids"))?;
+            cuda.download(ids, &mut ws.tokens)?;
+            ws.tokens.truncate(b);
+            Ok(StepOutput::Tokens(&ws.tokens))
+        } else {
+            let logits = bufs.logits.as_ref().ok_or_else(|| no_output("logits"))?;
+            cuda.download(logits, &mut ws.logits)?;
+            ws.logits.truncate(b * vocab);
+            Ok(StepOutput::Logits(&ws.logits))
+        }
+    }
+
+    /// Issues one step's launches on `bufs` (whose plan was built and
+    /// uploaded): the forward, then the argmax when `greedy`. Nothing is
+    /// allocated when `bufs` already hold this step's sizes, nothing is
+    /// copied and nothing waits for the device: the body a CUDA graph
+    /// captures.
+    pub(crate) fn launch_step(
+        &self,
+        cm: &CudaModel,
+        cuda: &mut Cuda,
+        bufs: &mut StepBufs,
+        cache: &mut InferenceParams<KvStore>,
+        greedy: bool,
+    ) -> Result<()> {
+        let dp = bufs.plan.take().ok_or_else(|| no_output("plan"))?;
+        bufs.tokens.clone_from(&dp.tokens);
+        bufs.rows.clone_from(&dp.rows);
+        let (cu, starts) = dp.host_rope();
+        bufs.cu.clear();
+        bufs.cu.extend_from_slice(cu);
+        bufs.starts.clear();
+        bufs.starts.extend_from_slice(starts);
+        let batch = bufs.rows.len();
         let stream = cuda.stream().clone();
         let take = |b: &mut Option<CudaSlice<f32>>| -> Result<CudaSlice<f32>> {
             match b.take() {
@@ -279,24 +372,30 @@ impl Model {
             }
         };
         let mut layer_bufs = [(); 8].map(|_| None);
-        for (dst, src) in layer_bufs.iter_mut().zip(cw.layer.iter_mut()) {
+        for (dst, src) in layer_bufs.iter_mut().zip(bufs.layer.iter_mut()) {
             *dst = Some(take(src)?);
         }
         let mut layer: [CudaSlice<f32>; 8] = layer_bufs.map(|b| b.expect("filled above"));
-        let (mut x, mut h, mut logits) =
-            (take(&mut cw.x)?, take(&mut cw.h)?, take(&mut cw.logits)?);
+        let (mut x, mut h, mut logits) = (
+            take(&mut bufs.x)?,
+            take(&mut bufs.h)?,
+            take(&mut bufs.logits)?,
+        );
+        // The plan (and its scratch) belong to the device for the step.
+        let mut dp = dp;
+        std::mem::swap(&mut cuda.x_bf16, &mut dp.x_bf16);
+        cuda.plan = Some(dp);
         let rows = Rows {
-            t,
-            rope_cu: plan.cu_seqlens_q(),
-            rope_start: plan.start_positions(),
+            t: bufs.tokens.len(),
+            rope_cu: &bufs.cu,
+            rope_start: &bufs.starts,
         };
         let result = {
-            let mut attend = |l: &Layer,
-                              dev: &mut Cuda,
-                              qkv: Qkv<'_, CudaSlice<f32>>,
-                              out: &mut CudaSlice<f32>| {
-                attend_cuda(l, dev, cache, &plan, qkv, out)
-            };
+            let mut attend =
+                |l: &Layer,
+                 dev: &mut Cuda,
+                 qkv: Qkv<'_, CudaSlice<f32>>,
+                 out: &mut CudaSlice<f32>| { attend_cuda(l, dev, cache, qkv, out) };
             self.forward_on(
                 &mut *cuda,
                 &cm.weights,
@@ -304,9 +403,9 @@ impl Model {
                     &cm.rope_global,
                     cm.rope_local.as_ref().unwrap_or(&cm.rope_global),
                 ],
-                tokens,
+                &bufs.tokens,
                 rows,
-                &ws.rows,
+                &bufs.rows,
                 ModelBufs {
                     layer: &mut layer,
                     x: &mut x,
@@ -317,34 +416,51 @@ impl Model {
             )
         };
         let vocab = self.config.vocab_size;
-        let out = result.and_then(|()| {
-            if greedy {
-                let b = ws.rows.len();
-                let mut ids = match cw.ids.take() {
-                    Some(ids) if ids.len() == b => ids,
-                    _ => cuda
-                        .stream()
-                        .alloc_zeros::<u32>(b)
-                        .map_err(|e| cuda_err("alloc", e))?,
-                };
-                let r = cuda
-                    .argmax(&logits, vocab, &mut ids)
-                    .and_then(|()| cuda.download(&ids, &mut ws.tokens));
-                cw.ids = Some(ids);
-                r.map(|()| true)
-            } else {
-                cuda.download(&logits, &mut ws.logits).map(|()| false)
+        let result = result.and_then(|()| {
+            if !greedy {
+                return Ok(());
             }
+            let mut ids = match bufs.ids.take() {
+                Some(ids) if ids.len() == batch => ids,
+                _ => cuda
+                    .stream()
+                    .alloc_zeros::<u32>(batch)
+                    .map_err(|e| cuda_err("alloc", e))?,
+            };
+            let r = cuda.argmax(&logits, vocab, &mut ids);
+            bufs.ids = Some(ids);
+            r
         });
-        for (dst, src) in cw.layer.iter_mut().zip(layer) {
+        let mut dp = cuda.plan.take().expect("set above");
+        std::mem::swap(&mut cuda.x_bf16, &mut dp.x_bf16);
+        bufs.plan = Some(dp);
+        for (dst, src) in bufs.layer.iter_mut().zip(layer) {
             *dst = Some(src);
         }
-        (cw.x, cw.h, cw.logits) = (Some(x), Some(h), Some(logits));
-        Ok(if out? {
-            StepOutput::Tokens(&ws.tokens)
-        } else {
-            StepOutput::Logits(&ws.logits)
-        })
+        (bufs.x, bufs.h, bufs.logits) = (Some(x), Some(h), Some(logits));
+        result
+    }
+
+    /// Turns CUDA graphs for decode steps on or off (`te generate
+    /// --cuda-graphs`): a step of `b <= 128` sequences of one token each
+    /// runs padded to its bucket (1, 2, 4, ..., 128), captured once per
+    /// bucket (and again when a page table outgrows its captured width)
+    /// and replayed with the plan rewritten in place; every other step
+    /// runs launch by launch. Call before [`Model::new_step_cache`].
+    ///
+    /// Errors: the model is not on a GPU.
+    pub fn set_cuda_graphs(&mut self, on: bool) -> Result<()> {
+        match &mut self.cuda {
+            Some(cm) => {
+                cm.graphs = on;
+                Ok(())
+            }
+            None if !on => Ok(()),
+            None => Err(ModelError::Request(
+                "--cuda-graphs needs a GPU: use --device cuda[:N] (or auto with a GPU present)"
+                    .into(),
+            )),
+        }
     }
 
     /// Moves the model's compute to `device` (resolving `auto`): for CUDA,
@@ -382,49 +498,53 @@ impl Model {
 }
 
 /// The CUDA `attend` of a layer: saves its K/V in the device cache
-/// (te-kernels' `save_kv_cuda`) and attends (te-attention's
-/// `forward_cuda`, causal bottom-right, the layer's window and softcap).
+/// (te-kernels' `save_kv_cuda_planned`) and attends (te-attention's
+/// `launch_cuda`, causal bottom-right, the layer's window and softcap),
+/// both reading the step plan on the device.
 fn attend_cuda(
     layer: &Layer,
     dev: &mut Cuda,
     cache: &mut InferenceParams<KvStore>,
-    plan: &te_cache::StepPlan,
     qkv: Qkv<'_, CudaSlice<f32>>,
     out: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    let (lay, storage) = cache.step_storage(layer.index)?;
-    let storage = match storage {
-        KvStore::Cuda(s) => s,
-        KvStore::Host(_) => {
-            return Err(ModelError::Cuda(
-                "the KV cache is in host memory; a CUDA model needs Model::new_step_cache".into(),
-            ))
-        }
+    let Cuda { dev: d, plan, .. } = dev;
+    let plan = plan.as_deref_mut().ok_or_else(|| no_output("plan"))?;
+    let (_, storage) = cache.step_storage(layer.index)?;
+    let KvStore::Cuda(storage) = storage else {
+        return Err(ModelError::Cuda(
+            "the KV cache is in host memory; a CUDA model needs Model::new_step_cache".into(),
+        ));
     };
-    storage.take_error()?;
     let (k_cache, v_cache) = storage.layer_mut(layer.index)?;
-    let kv_step = KvStep {
-        format: QkvFormat::Thd,
-        cu_seqlens: plan.cu_seqlens_q(),
-        max_seqlen: plan.max_seqlen_q(),
-    };
-    save_kv_cuda(&dev.dev, qkv.k, qkv.v, k_cache, v_cache, &lay, &kv_step)?;
-    let meta = AttnMetadata {
-        batch: plan.batch_size(),
-        max_seqlen_q: 0,
-        max_seqlen_kv: 0,
-        cu_seqlens_q: Some(plan.cu_seqlens_q()),
-        cu_seqlens_kv: None,
-    };
-    let kv = CudaKvInput::Cache {
-        k_cache: k_cache.slice(..),
-        v_cache: v_cache.slice(..),
-        layout: lay,
-    };
-    let q = qkv.q.slice(..);
-    let mut o = out.slice_mut(..);
-    layer
-        .attention
-        .forward_cuda(&dev.dev, &q, &kv, &meta, &mut o, None)?;
-    Ok(())
+    // The scratch leaves the plan while the plan's views are borrowed.
+    let mut scratch = std::mem::take(&mut plan.attn_scratch);
+    let result = (|| -> Result<()> {
+        let (save, pairs, attn) = plan.layer(layer.index)?;
+        save_kv_cuda_planned(d, save, &pairs, qkv.k, qkv.v, k_cache, v_cache)?;
+        if let Some((launch, meta)) = attn {
+            let (q, k, v) = (qkv.q.slice(..), k_cache.slice(..), v_cache.slice(..));
+            let mut o = out.slice_mut(..);
+            layer.attention.launch_cuda(
+                d,
+                launch,
+                &meta,
+                &q,
+                [&k, &v],
+                &mut o,
+                None,
+                &mut scratch,
+            )?;
+        }
+        Ok(())
+    })();
+    plan.attn_scratch = scratch;
+    result
+}
+
+/// A buffer a step should have made is missing (an earlier failed step).
+fn no_output(what: &str) -> ModelError {
+    ModelError::Cuda(format!(
+        "the step's {what} buffer is missing (an earlier step failed)"
+    ))
 }

@@ -14,9 +14,13 @@ use std::sync::Arc;
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use half::bf16;
-use te_kernels::cuda::{apply_rope_cuda, CudaDevice, CudaRopeTable, KernelSource, LaunchShape};
+use te_kernels::cuda::{
+    apply_rope_cuda, apply_rope_cuda_meta, CudaDevice, CudaRopeTable, KernelSource, LaunchShape,
+    RopeMeta,
+};
 use te_kernels::rope::RopeArgs;
 
+use super::plan::DevicePlan;
 use crate::config::Activation;
 use crate::device::DeviceOps;
 use crate::{ModelError, Result};
@@ -38,6 +42,8 @@ pub const OPS_THREADS: u32 = 256;
 /// of `y` (`GEMM_BM = GEMM_BN`).
 pub const GEMM_THREADS: u32 = 128;
 const GEMM_TILE: usize = 64;
+/// cuBLAS' workspace: 32 MiB, what NVIDIA advises for Hopper.
+const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
 /// Blocks of an elementwise launch at most (grid-stride loops do the rest).
 const MAX_ELEMENTWISE_BLOCKS: usize = 4096;
 
@@ -98,8 +104,15 @@ pub enum GemmBackend {
 pub struct Cuda {
     pub(crate) dev: CudaDevice,
     blas: Option<CudaBlas>,
-    x_bf16: Option<CudaSlice<bf16>>,
+    /// cuBLAS' workspace (`cublasSetWorkspace`), kept while `blas` lives.
+    _blas_workspace: Option<CudaSlice<u8>>,
+    pub(crate) x_bf16: Option<CudaSlice<bf16>>,
     backend: GemmBackend,
+    /// The step's plan on the device while a step runs
+    /// (`DevicePlan`, `plan.rs`): the embedding, row gather, RoPE, KV
+    /// save and attention read their metadata from it instead of
+    /// uploading it per call.
+    pub(crate) plan: Option<Box<DevicePlan>>,
 }
 
 impl std::fmt::Debug for Cuda {
@@ -149,17 +162,46 @@ fn check_len(op: &str, arg: &str, got: usize, len: usize) -> Result<()> {
 }
 
 impl Cuda {
-    /// GPU `ordinal`, with cuBLAS when `use_cublas` and the library loads
+    /// GPU `ordinal` on a stream of its own (capturable into a CUDA graph),
+    /// with cuBLAS when `use_cublas` and the library loads
     /// (else our GEMM kernel; [`gemm_backend`](Self::gemm_backend) says
     /// which). Errors name the missing library (driver, NVRTC) or the
     /// failing call; never panics.
     pub fn new(ordinal: usize, use_cublas: bool) -> Result<Self> {
         super::check_libraries()?;
-        let dev = CudaDevice::new(ordinal).map_err(|e| ModelError::Cuda(e.to_string()))?;
+        let dev =
+            CudaDevice::new_capturable(ordinal).map_err(|e| ModelError::Cuda(e.to_string()))?;
         let blas = if use_cublas {
             super::load_cublas(dev.stream())
         } else {
             None
+        };
+        // cuBLAS' workspace, ours: made before any capture, so a captured
+        // product never allocates one.
+        let blas_workspace = match &blas {
+            Some(blas) => {
+                let mut ws = dev
+                    .stream()
+                    .alloc_zeros::<u8>(CUBLAS_WORKSPACE_BYTES)
+                    .map_err(|e| cuda_err("alloc", e))?;
+                let stream = dev.stream().clone();
+                let (p, _rw) = ws.device_ptr_mut(&stream);
+                // SAFETY: `ws` outlives the handle's use (both live in
+                // `Cuda`; the handle is dropped first, fields in order).
+                let status = unsafe {
+                    blas_sys::cublasSetWorkspace_v2(
+                        *blas.handle(),
+                        p as *mut _,
+                        CUBLAS_WORKSPACE_BYTES,
+                    )
+                };
+                if status != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                    return Err(cuda_err("cublasSetWorkspace", status));
+                }
+                drop(_rw);
+                Some(ws)
+            }
+            None => None,
         };
         let backend = if blas.is_some() {
             GemmBackend::Cublas
@@ -169,14 +211,27 @@ impl Cuda {
         Ok(Cuda {
             dev,
             blas,
+            _blas_workspace: blas_workspace,
             x_bf16: None,
             backend,
+            plan: None,
         })
     }
 
     /// The GEMM in use.
     pub fn gemm_backend(&self) -> GemmBackend {
         self.backend
+    }
+
+    /// Makes the products run on `backend`.
+    ///
+    /// Errors: [`GemmBackend::Cublas`] when cuBLAS did not load.
+    pub fn set_gemm_backend(&mut self, backend: GemmBackend) -> Result<()> {
+        if backend == GemmBackend::Cublas && self.blas.is_none() {
+            return Err(ModelError::Cuda("cuBLAS is not loaded".into()));
+        }
+        self.backend = backend;
+        Ok(())
     }
 
     /// The stream every op runs on.
@@ -461,7 +516,21 @@ impl DeviceOps for Cuda {
         table: &CudaRopeTable,
         args: &RopeArgs,
     ) -> Result<()> {
-        apply_rope_cuda(&self.dev, x, table, args)?;
+        match self
+            .plan
+            .as_deref()
+            .filter(|p| p.host_rope() == (args.cu_seqlens, args.start_positions))
+        {
+            Some(p) => {
+                let (cu, starts) = p.rope_views()?;
+                let meta = RopeMeta {
+                    cu_seqlens: &cu,
+                    start_positions: &starts,
+                };
+                apply_rope_cuda_meta(&self.dev, x, table, args, meta)?;
+            }
+            None => apply_rope_cuda(&self.dev, x, table, args)?,
+        }
         Ok(())
     }
 
@@ -513,10 +582,18 @@ impl DeviceOps for Cuda {
         if tokens.is_empty() {
             return Ok(());
         }
-        let ids = self
-            .stream()
-            .clone_htod(tokens)
-            .map_err(|e| cuda_err("upload", e))?;
+        // The step plan's copy of the tokens, or an upload for this call.
+        let uploaded;
+        let ids = match self.plan.as_deref().filter(|p| p.tokens == tokens) {
+            Some(p) => p.tokens_view()?,
+            None => {
+                uploaded = self
+                    .stream()
+                    .clone_htod(tokens)
+                    .map_err(|e| cuda_err("upload", e))?;
+                uploaded.slice(..)
+            }
+        };
         let f = self.function(MODEL_OPS_CU, "embed_bf16")?;
         let h = to_i32("hidden", hidden)?;
         let stream = self.stream().clone();
@@ -548,11 +625,18 @@ impl DeviceOps for Cuda {
         if rows.is_empty() {
             return Ok(());
         }
-        let idx: Vec<u64> = rows.iter().map(|&r| r as u64).collect();
-        let idx = self
-            .stream()
-            .clone_htod(&idx)
-            .map_err(|e| cuda_err("upload", e))?;
+        let uploaded;
+        let idx = match self.plan.as_deref().filter(|p| p.rows == rows) {
+            Some(p) => p.rows_view()?,
+            None => {
+                let idx: Vec<u64> = rows.iter().map(|&r| r as u64).collect();
+                uploaded = self
+                    .stream()
+                    .clone_htod(&idx)
+                    .map_err(|e| cuda_err("upload", e))?;
+                uploaded.slice(..)
+            }
+        };
         let f = self.function(MODEL_OPS_CU, "gather_rows_f32")?;
         let w = to_i32("width", width)?;
         let stream = self.stream().clone();
