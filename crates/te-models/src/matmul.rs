@@ -629,6 +629,9 @@ mod avx512 {
                 k: usize,
             ) -> [[f32; NR]; MR] {
                 let mut acc = [[_mm512_setzero_ps(); NR]; MR];
+                // Bytes per group of 32 weights (rounded down for Q6_K's
+                // 210-byte blocks: the prefetches still touch every line).
+                let group_bytes = w[0].len() * 32 / k;
                 // Block by block, each weight row's groups in order (so
                 // every accumulator still sees its columns in increasing
                 // order); the unrolled groups of one block share its
@@ -638,6 +641,17 @@ mod avx512 {
                         for sub in 0..$groups_per_block {
                             let g = $groups_per_block * blk + sub;
                             let c = 32 * g;
+                            // The same group of the row MR rows on (the
+                            // next tile's, usually adjacent in memory): the
+                            // hardware prefetcher alone loses the short rows
+                            // at every 4 KiB page of a file map. A prefetch
+                            // never faults, so a pointer past the weights
+                            // is harmless.
+                            _mm_prefetch::<_MM_HINT_T0>(
+                                w[m].as_ptr()
+                                    .wrapping_add(MR * w[m].len() + g * group_bytes)
+                                    .cast(),
+                            );
                             let [v0, v1] = $decode(w[m], g);
                             for r in 0..NR {
                                 // SAFETY: c + 32 <= k for every row.
