@@ -54,6 +54,7 @@ enum Command {
 }
 
 fn main() {
+    alloc_policy::fixed_mmap_threshold();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
@@ -199,6 +200,7 @@ fn load(spec: &str) -> anyhow::Result<te_models::loader::LoadedModel> {
     let source = te_models::hub::resolve_model(spec)?;
     let start = std::time::Instant::now();
     let loaded = te_models::loader::load_model(&source)?;
+    alloc_policy::release_free_memory();
     note(format_args!(
         "loaded {} ({}, {} layers) in {:.1} s",
         spec,
@@ -207,4 +209,35 @@ fn load(spec: &str) -> anyhow::Result<te_models::loader::LoadedModel> {
         start.elapsed().as_secs_f64()
     ));
     Ok(loaded)
+}
+
+/// glibc malloc settings that keep the resident memory of a loaded model
+/// down (no-ops with other C libraries).
+///
+/// Loading a model allocates and frees many large buffers (the GGUF
+/// metadata, the tokenizer's vocabulary and merges). glibc serves a large
+/// allocation from its own `mmap` until one such map is freed; then it
+/// raises its threshold (up to 32 MiB) and carves later large buffers
+/// (KV pool pages, scratch) out of the heap, reusing freed pages that
+/// `calloc` must zero, so they become resident. Gemma 3 270M measured
+/// ~100 MiB more peak RSS that way.
+mod alloc_policy {
+    /// Keeps glibc's mmap threshold at its 128 KiB default for good.
+    pub(crate) fn fixed_mmap_threshold() {
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        // SAFETY: mallopt only changes malloc's parameters; called before
+        // any other thread starts.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
+        }
+    }
+
+    /// Returns the heap pages freed while loading to the system.
+    pub(crate) fn release_free_memory() {
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        // SAFETY: malloc_trim only releases free memory; thread safe.
+        unsafe {
+            libc::malloc_trim(0);
+        }
+    }
 }

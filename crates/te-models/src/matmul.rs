@@ -35,8 +35,14 @@
 //! step whatever `t` is: AVX-512 tiles of 4 x 6 (24 of its 32 registers),
 //! walking `k` in 256-column blocks with the accumulators saved between
 //! blocks (exact); AVX2 tiles of 4 x 3, one 8-lane half of the 16 lanes
-//! at a time. Scratch (panels, saved accumulators) comes from the
-//! caller's reused buffer.
+//! at a time. With AVX2 and at most 2 token rows, quantized weights are
+//! decoded in registers too (32 at a time, 4 weight rows per tile, each
+//! 16-lane accumulator as two 8-lane halves). The register-decoded kernels
+//! prefetch the next tile's weight rows: a model's weights are read from
+//! the file map in 4 KiB pages, where the hardware prefetcher alone
+//! leaves the short rows (Gemma 3's 640 columns) waiting on memory.
+//! Scratch (panels, saved accumulators) comes from the caller's reused
+//! buffer.
 
 use rayon::prelude::*;
 
@@ -232,6 +238,65 @@ fn fused_product(
     }
 }
 
+/// Up to this many token rows, AVX2 decodes quantized weights in
+/// registers (4 weight rows x 2 token rows x two 8-lane halves fill its
+/// 16 registers with accumulators).
+#[cfg(target_arch = "x86_64")]
+const FUSED_MAX_ROWS_AVX2: usize = 2;
+
+/// [`fused_product`] with AVX2 + FMA: the weights decoded in registers by
+/// `crate::quant::avx2` (a type it has a decoder for, and F16C), `t <=`
+/// [`FUSED_MAX_ROWS_AVX2`]; the task must own columns `j0 .. j0 + rows`.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn fused_product_avx2(
+    ty: GgmlType,
+    x: &[f32],
+    t: usize,
+    k: usize,
+    data: &[u8],
+    row_bytes: usize,
+    rows: usize,
+    y: Out,
+    j0: usize,
+) {
+    debug_assert!(t <= FUSED_MAX_ROWS_AVX2 && x.len() == t * k);
+    let (block_len, block_bytes) = ty.block_layout().expect("a block type");
+    for m0 in (0..rows).step_by(MR) {
+        let mr = MR.min(rows - m0);
+        // Rows past the edge repeat the first one (computed, never stored).
+        let wr: [&[u8]; MR] = std::array::from_fn(|m| {
+            let j = m0 + if m < mr { m } else { 0 };
+            &data[j * row_bytes..(j + 1) * row_bytes]
+        });
+        let mut out = [[0.0f32; FUSED_MAX_ROWS_AVX2]; MR];
+        macro_rules! go {
+            ($nr:literal) => {{
+                let xp: [*const f32; $nr] = std::array::from_fn(|r| x[r * k..].as_ptr());
+                // SAFETY: the caller checked AVX2 + FMA (Isa::Avx2) and
+                // that `ty` has an AVX2 decoder (which checks F16C); each x
+                // pointer starts a row of k floats, each w row holds k
+                // weights of `ty` in blocks of `block_len` / `block_bytes`.
+                let o = unsafe { avx2::fused::<$nr>(ty, &xp, &wr, k, block_len, block_bytes) };
+                for m in 0..MR {
+                    out[m][..$nr].copy_from_slice(&o[m]);
+                }
+            }};
+        }
+        match t {
+            1 => go!(1),
+            2 => go!(2),
+            _ => unreachable!("at most FUSED_MAX_ROWS_AVX2 token rows"),
+        }
+        for (m, o) in out.iter().enumerate().take(mr) {
+            for (i, &v) in o[..t].iter().enumerate() {
+                // SAFETY: i < t; column j0 + m0 + m is this task's.
+                unsafe { y.set(i, j0 + m0 + m, v) };
+            }
+        }
+    }
+}
+
 /// `y = x · wᵀ` (see the module doc for the exact arithmetic): `x: [t, k]`,
 /// `w: [n, k]`, `y: [t, n]`. `scratch` is grown as needed and reused: per
 /// task, a decoded panel (quantized weights) and the k-blocked kernel's
@@ -290,6 +355,10 @@ pub(crate) fn matmul_into_isa(
     let fused = isa == Isa::Avx512
         && t <= FUSED_MAX_ROWS
         && matches!(w, Weights::Quantized { ty, .. } if fused_type(ty));
+    #[cfg(target_arch = "x86_64")]
+    let fused_avx2 = isa == Isa::Avx2
+        && t <= FUSED_MAX_ROWS_AVX2
+        && matches!(w, Weights::Quantized { ty, .. } if crate::quant::avx2::available(ty));
     let out = Out {
         ptr: y.as_mut_ptr(),
         n,
@@ -305,6 +374,12 @@ pub(crate) fn matmul_into_isa(
             if let (true, Weights::Quantized { ty, data }) = (fused, w) {
                 let data = &data[j0 * row_bytes..(j0 + rows) * row_bytes];
                 fused_product(ty, x, t, k, data, row_bytes, rows, out, j0);
+                return;
+            }
+            #[cfg(target_arch = "x86_64")]
+            if let (true, Weights::Quantized { ty, data }) = (fused_avx2, w) {
+                let data = &data[j0 * row_bytes..(j0 + rows) * row_bytes];
+                fused_product_avx2(ty, x, t, k, data, row_bytes, rows, out, j0);
                 return;
             }
             for p0 in (0..rows).step_by(prows) {
@@ -629,6 +704,9 @@ mod avx512 {
                 k: usize,
             ) -> [[f32; NR]; MR] {
                 let mut acc = [[_mm512_setzero_ps(); NR]; MR];
+                // Bytes per group of 32 weights (rounded down for Q6_K's
+                // 210-byte blocks: the prefetches still touch every line).
+                let group_bytes = w[0].len() * 32 / k;
                 // Block by block, each weight row's groups in order (so
                 // every accumulator still sees its columns in increasing
                 // order); the unrolled groups of one block share its
@@ -638,6 +716,17 @@ mod avx512 {
                         for sub in 0..$groups_per_block {
                             let g = $groups_per_block * blk + sub;
                             let c = 32 * g;
+                            // The same group of the row MR rows on (the
+                            // next tile's, usually adjacent in memory): the
+                            // hardware prefetcher alone loses the short rows
+                            // at every 4 KiB page of a file map. A prefetch
+                            // never faults, so a pointer past the weights
+                            // is harmless.
+                            _mm_prefetch::<_MM_HINT_T0>(
+                                w[m].as_ptr()
+                                    .wrapping_add(MR * w[m].len() + g * group_bytes)
+                                    .cast(),
+                            );
                             let [v0, v1] = $decode(w[m], g);
                             for r in 0..NR {
                                 // SAFETY: c + 32 <= k for every row.
@@ -753,6 +842,69 @@ mod avx2 {
         out
     }
 
+    /// `out[m][r] = x_r · w_m` for weight rows of GGUF blocks of `ty`,
+    /// decoded in registers 32 values at a time
+    /// (`crate::quant::avx2::for_each_group`): lanes 0..8 of the module's
+    /// 16 in one accumulator, lanes 8..16 in another, so each group of 32
+    /// columns `c..c + 32` adds columns `c..c + 8` and `c + 16..c + 24` to
+    /// the first and the others to the second, in column order (the same
+    /// values and lanes as decoding a panel first).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C and `ty` have an AVX2
+    /// decoder; every `x` pointer must start `k` readable floats; each `w`
+    /// row holds `k` weights of `ty` (blocks of `block_len` values in
+    /// `block_bytes` bytes).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn fused<const NR: usize>(
+        ty: crate::quant::GgmlType,
+        x: &[*const f32; NR],
+        w: &[&[u8]; MR],
+        k: usize,
+        block_len: usize,
+        block_bytes: usize,
+    ) -> [[f32; NR]; MR] {
+        let mut lo = [[_mm256_setzero_ps(); NR]; MR];
+        let mut hi = [[_mm256_setzero_ps(); NR]; MR];
+        for blk in 0..k / block_len {
+            let at = blk * block_bytes;
+            for m in 0..MR {
+                // The same block of the row MR rows on (as the AVX-512
+                // kernels do; a prefetch never faults).
+                for line in (0..block_bytes).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(
+                        w[m].as_ptr()
+                            .wrapping_add(MR * w[m].len() + at + line)
+                            .cast(),
+                    );
+                }
+                let (lo, hi) = (&mut lo[m], &mut hi[m]);
+                let c0 = blk * block_len;
+                let block = &w[m][at..at + block_bytes];
+                let group = |e: usize, v: [__m256; 4]| {
+                    for r in 0..NR {
+                        // SAFETY: c0 + e + 32 <= k for every row.
+                        let xv = [0, 8, 16, 24]
+                            .map(|o| unsafe { _mm256_loadu_ps(x[r].add(c0 + e + o)) });
+                        lo[r] = _mm256_fmadd_ps(xv[0], v[0], lo[r]);
+                        hi[r] = _mm256_fmadd_ps(xv[1], v[1], hi[r]);
+                        lo[r] = _mm256_fmadd_ps(xv[2], v[2], lo[r]);
+                        hi[r] = _mm256_fmadd_ps(xv[3], v[3], hi[r]);
+                    }
+                };
+                // SAFETY: the caller guarantees AVX2, F16C and `ty`.
+                unsafe { crate::quant::avx2::for_each_group(ty, block, group) };
+            }
+        }
+        let mut out = [[0.0f32; NR]; MR];
+        for m in 0..MR {
+            for r in 0..NR {
+                out[m][r] = reduce8(_mm256_add_ps(lo[m][r], hi[m][r]));
+            }
+        }
+        out
+    }
+
     /// The lane tree from `s8`: `s4 = s8[0..4] + s8[4..8]`, `s2 = s4[0..2]
     /// + s4[2..4]`, `s2[0] + s2[1]`.
     #[inline]
@@ -839,7 +991,8 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(12))]
 
         /// A row's output is bit-identical alone and at any position of a
-        /// batch of 7, 8, 33, 100 or 512 rows, on every instruction set
+        /// batch of 2, 5, 7, 8, 33, 100 or 512 rows (the register-decoded
+        /// tiles of AVX2 and AVX-512 and the panel kernels), on every instruction set
         /// this CPU runs, for every weight type; every instruction set
         /// equals the portable path bit for bit; and the result is within
         /// rounding of a float64 dot product of the dequantized weights.
@@ -874,7 +1027,7 @@ mod tests {
             }
             for isa in Isa::available() {
                 for w in weights {
-                    for t in [1usize, 7, 8, 33, 100, 512] {
+                    for t in [1usize, 2, 5, 7, 8, 33, 100, 512] {
                         let at = [0, t / 2, t - 1, rng.gen_range(0..t)];
                         for p in at {
                             let mut x: Vec<f32> =
