@@ -126,3 +126,44 @@ fn cuda_graphs_on_the_cpu_is_a_clear_error() {
         "{stderr}"
     );
 }
+
+/// Without a usable GPU, `--device cuda` fails before the model is read:
+/// the error names the CUDA library, not the missing model file. (Skipped,
+/// saying so, where a GPU is usable.)
+#[test]
+fn a_missing_gpu_fails_before_the_model_is_read() {
+    if te_models::cuda::check_libraries().is_ok() {
+        eprintln!("skipped: a GPU is usable on this machine");
+        return;
+    }
+    for device in ["cuda", "cuda:3"] {
+        let (ok, _, stderr) = te(&[
+            "generate",
+            "--model",
+            "/nonexistent/model.gguf",
+            "--prompt",
+            "x",
+            "--device",
+            device,
+        ]);
+        assert!(!ok);
+        assert!(
+            stderr.contains("CUDA") && !stderr.contains("nonexistent"),
+            "{stderr}"
+        );
+    }
+    // `auto` falls back to the CPU with a note, and only then reads the model.
+    let (ok, _, stderr) = te(&[
+        "generate",
+        "--model",
+        "random:tiny-llama",
+        "--prompt",
+        "x",
+        "--max-new-tokens",
+        "1",
+        "--device",
+        "auto",
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(stderr.contains("--device auto: no usable GPU"), "{stderr}");
+}

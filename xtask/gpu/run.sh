@@ -33,7 +33,9 @@ step() { echo; echo "== $*"; }
 fail() { status=1; row "$1" "FAIL" "$2"; }
 # `te generate --device` exists once the CUDA model path is built (issue 14).
 has_cuda_model=0
-"$te" generate --help 2>/dev/null | grep -q -- '--device' && has_cuda_model=1
+# (Each `grep` reads the whole help: `grep -q` exiting early would break
+# the pipe and, under pipefail, fail a test binary's listing.)
+"$te" generate --help 2>/dev/null | grep -- '--device' >/dev/null && has_cuda_model=1
 not_built="not built yet (te generate --device cuda)"
 
 if [ "$dry" -eq 0 ]; then
@@ -151,17 +153,17 @@ if [ "$dry" -eq 1 ]; then
   echo "   plan: te bench --device cuda --model random:gemma-7b ${workload[*]}, then the same with --cuda-graphs"
 elif [ "$has_cuda_model" -eq 1 ]; then
   graph_modes=("")
-  if "$te" bench --help 2>/dev/null | grep -q -- '--cuda-graphs'; then
+  if "$te" bench --help 2>/dev/null | grep -- '--cuda-graphs' >/dev/null; then
     graph_modes+=(--cuda-graphs)
   else
     row "te gemma-7b --cuda-graphs" "-" "not built yet (te bench --cuda-graphs)"
   fi
   for graphs in "${graph_modes[@]}"; do
     label="te gemma-7b${graphs:+ $graphs}"
-    if "$te" bench --device cuda $graphs --model random:gemma-7b "${workload[@]}" >"$out/workload$graphs.jsonl" 2>&1; then
+    if "$te" bench --device cuda $graphs --model random:gemma-7b "${workload[@]}" >"$out/workload$graphs.jsonl" 2>"$out/workload$graphs.err"; then
       row "$label" "ok" "$(python3 -c 'import json,sys; print("%.2f s" % json.loads(open(sys.argv[1]).readline())["t"])' "$out/workload$graphs.jsonl")"
     else
-      fail "$label" "see $out/workload$graphs.jsonl"
+      fail "$label" "see $out/workload$graphs.err"
     fi
   done
 else
@@ -202,7 +204,7 @@ if [ "$dry" -eq 1 ]; then
     fail "--cuda-graphs on cpu" "see $out/decode.graphs-cpu.err"
   fi
   echo "   plan: te bench --device cuda --model random:gemma-7b ${decode[*]}, then the same with --cuda-graphs"
-  if "$bandwidth_test" --list --ignored 2>/dev/null | grep -q '^kernel_bandwidth: test$'; then
+  if "$bandwidth_test" --list --ignored 2>/dev/null | grep '^kernel_bandwidth: test$' >/dev/null; then
     row "kernel bandwidth test" "listed" "cuda_model kernel_bandwidth"
   else
     fail "kernel bandwidth test" "kernel_bandwidth missing from $bandwidth_test"

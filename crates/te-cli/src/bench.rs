@@ -19,7 +19,9 @@
 //! sequence has its first token, `t_tg` the rest; `speed_pp = pl*pp/t_pp`,
 //! `speed_tg = pl*tg/t_tg`, `t = t_pp + t_tg`, `speed = pl*(pp+tg)/t`,
 //! `n_kv = pl*(pp+tg)`. One 16-token warm-up at the start, one run per
-//! configuration, as llama-batched-bench.
+//! configuration, as llama-batched-bench; with `--cuda-graphs` also one
+//! short untimed run at each `pl`, so its decode graph is captured before
+//! the timed runs.
 //!
 //! Prompts are fixed synthetic token ids (a seeded generator over the
 //! vocabulary, BOS first when the model adds one, different for each
@@ -394,6 +396,11 @@ fn single(
     }
     out.flush()?;
     let cpu = cpu_info();
+    // llama-bench's backend names.
+    let backend = match model.device() {
+        te_models::cuda::Device::Cuda(_) => "CUDA",
+        _ => "CPU",
+    };
     for (i, &(n_prompt, n_gen)) in tests.iter().enumerate() {
         let mut engine = test_engine(model, n_prompt, n_gen)?;
         // Warm-up: the whole prompt for pp, one token for tg (llama-bench).
@@ -423,7 +430,7 @@ fn single(
         match format {
             Format::Md => writeln!(
                 out,
-                "| {} | {:.2} MiB | {:.2} M | CPU | {threads} | {} | {avg_ts:.2} ± {stddev_ts:.2} |",
+                "| {} | {:.2} MiB | {:.2} M | {backend} | {threads} | {} | {avg_ts:.2} ± {stddev_ts:.2} |",
                 desc.model_type,
                 desc.size as f64 / (1024.0 * 1024.0),
                 desc.n_params as f64 / 1e6,
@@ -433,7 +440,7 @@ fn single(
                 let obj = serde_json::json!({
                     "build_commit": concat!("te-rs ", env!("CARGO_PKG_VERSION")),
                     "cpu_info": cpu,
-                    "backends": "CPU",
+                    "backends": backend,
                     "model_filename": desc.filename,
                     "model_type": desc.model_type,
                     "model_size": desc.size,
@@ -523,6 +530,19 @@ fn batched(
         .add_request(request(synthetic_prompt(0, warmup, vocab, bos), 1))
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     run_timed(&mut engine, 1)?;
+    if model.cuda_graphs() {
+        // Each batch size's decode graph is captured here rather than in a
+        // timed run (a page table that outgrows the width it was captured
+        // with is still captured again inside one).
+        for &pl in npl {
+            for s in 0..pl {
+                engine
+                    .add_request(request(synthetic_prompt(s as u64, warmup, vocab, bos), 3))
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+            }
+            run_timed(&mut engine, pl)?;
+        }
+    }
     let mut out = crate::stdout();
     if format == Format::Md {
         writeln!(

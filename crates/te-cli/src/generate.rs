@@ -152,7 +152,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         seed: args.seed,
     };
     sampling.validate().map_err(anyhow::Error::msg)?;
-    let loaded = crate::load_on(&args.model, &args.device)?;
+    let mut device = args.device.clone();
+    if args.context_parallel.is_some() {
+        // Context parallelism runs on the CPU: `auto` means the CPU here.
+        if matches!(device.device, te_models::cuda::Device::Cuda(_)) {
+            bail!("--context-parallel runs on the CPU only: drop --device (or use --device cpu)");
+        }
+        device.device = te_models::cuda::Device::Cpu;
+    }
+    let loaded = crate::load_on(&args.model, &device)?;
     let tokenizer = &loaded.tokenizer;
     let mut prompt_tokens = Vec::with_capacity(prompts.len());
     for (i, p) in prompts.iter().enumerate() {

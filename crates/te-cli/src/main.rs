@@ -148,7 +148,6 @@ impl Threads {
     }
 }
 
-/// Resolves and loads `--model`, reporting progress on stderr.
 /// `--device`: where the model computes.
 #[derive(clap::Args, Clone, Debug)]
 pub struct DeviceArg {
@@ -173,14 +172,19 @@ fn parse_device(s: &str) -> Result<te_models::cuda::Device, String> {
 
 /// [`load`], then the model moved to `device.device` (a note says where,
 /// which GEMM the GPU uses and whether decode steps use CUDA graphs).
-/// Errors: `--cuda-graphs` without a GPU (before loading when the device
-/// is `cpu`).
+/// The GPU is opened before the weights are read, so a missing library or
+/// device fails at once.
+/// Errors: the GPU (named), `--cuda-graphs` without a GPU.
 fn load_on(spec: &str, device: &DeviceArg) -> anyhow::Result<te_models::loader::LoadedModel> {
     if device.cuda_graphs && device.device == te_models::cuda::Device::Cpu {
         anyhow::bail!("--cuda-graphs needs a GPU: use --device cuda[:N] (not --device cpu)");
     }
+    let gpu = device.device.open()?;
+    if device.cuda_graphs && gpu.is_none() {
+        anyhow::bail!("--cuda-graphs needs a GPU: --device auto found none");
+    }
     let mut loaded = load(spec)?;
-    let on = loaded.model.to_device(device.device)?;
+    let on = loaded.model.place(gpu)?;
     loaded.model.set_cuda_graphs(device.cuda_graphs)?;
     if let (te_models::cuda::Device::Cuda(n), Some(cm)) = (on, loaded.model.cuda()) {
         note(format_args!(
@@ -196,6 +200,7 @@ fn load_on(spec: &str, device: &DeviceArg) -> anyhow::Result<te_models::loader::
     Ok(loaded)
 }
 
+/// Resolves and loads `--model`, reporting progress on stderr.
 fn load(spec: &str) -> anyhow::Result<te_models::loader::LoadedModel> {
     let source = te_models::hub::resolve_model(spec)?;
     let start = std::time::Instant::now();

@@ -149,7 +149,14 @@ pub fn gpu_available() -> Result<(), String> {
         Ok(Ok(n)) if n > 0 => Ok(()),
         Ok(Ok(_)) => Err("the CUDA driver reports no device".into()),
         Ok(Err(e)) => Err(format!("CUDA driver initialization failed: {e}")),
-        Err(_) => Err("the CUDA driver panicked while loading".into()),
+        Err(panic) => {
+            let why = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("no message");
+            Err(format!("the CUDA driver panicked while loading: {why}"))
+        }
     }
 }
 

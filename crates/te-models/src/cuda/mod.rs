@@ -79,12 +79,27 @@ impl Device {
         }
     }
 
-    /// [`Device::Auto`] resolved: `Cuda(0)` when a GPU is usable, else `Cpu`.
-    pub fn resolve(self) -> Self {
+    /// Opens the GPU this names, before any weights are read (so a
+    /// missing GPU fails in a moment, not after loading): `Cpu` gives
+    /// `None`; `Cuda(n)` opens GPU `n` (driver, NVRTC, the device, and
+    /// cuBLAS unless `TE_NO_CUBLAS` is set, else a note that our GEMM
+    /// kernel runs); `Auto` opens GPU 0 when it can, else gives `None`
+    /// with a note on stderr saying why.
+    ///
+    /// Errors (`Cuda(n)` only): the missing library, or the device that
+    /// failed to open, named.
+    pub fn open(self) -> Result<Option<Cuda>> {
+        let use_cublas = std::env::var_os("TE_NO_CUBLAS").is_none();
         match self {
-            Device::Auto if check_libraries().is_ok() => Device::Cuda(0),
-            Device::Auto => Device::Cpu,
-            d => d,
+            Device::Cpu => Ok(None),
+            Device::Cuda(n) => Cuda::new(n, use_cublas).map(Some),
+            Device::Auto => match Cuda::new(0, use_cublas) {
+                Ok(cuda) => Ok(Some(cuda)),
+                Err(e) => {
+                    eprintln!("note: --device auto: no usable GPU ({e}): running on the CPU");
+                    Ok(None)
+                }
+            },
         }
     }
 }
@@ -441,6 +456,11 @@ impl Model {
         result
     }
 
+    /// Whether decode steps replay CUDA graphs ([`Model::set_cuda_graphs`]).
+    pub fn cuda_graphs(&self) -> bool {
+        self.cuda.as_ref().is_some_and(|cm| cm.graphs)
+    }
+
     /// Turns CUDA graphs for decode steps on or off (`te generate
     /// --cuda-graphs`): a step of `b <= 128` sequences of one token each
     /// runs padded to its bucket (1, 2, 4, ..., 128), captured once per
@@ -463,20 +483,28 @@ impl Model {
         }
     }
 
-    /// Moves the model's compute to `device` (resolving `auto`): for CUDA,
-    /// uploads the weights (bf16) and opens cuBLAS (or notes that the GEMM
-    /// kernel is used). The host weights stay (the CPU reference).
+    /// Moves the model's compute to `device`: [`Device::open`], then
+    /// [`Model::place`].
     ///
     /// Errors: a missing library (named) or device, out of device memory.
     pub fn to_device(&mut self, device: Device) -> Result<Device> {
-        match device.resolve() {
-            Device::Cpu | Device::Auto => {
+        let gpu = device.open()?;
+        self.place(gpu)
+    }
+
+    /// Moves the model's compute to `gpu` (from [`Device::open`]; `None`:
+    /// the CPU): uploads the weights (bf16). The host weights stay (the
+    /// CPU reference). Returns where the model now computes.
+    ///
+    /// Errors: out of device memory, a failed upload.
+    pub fn place(&mut self, gpu: Option<Cuda>) -> Result<Device> {
+        match gpu {
+            None => {
                 self.cuda = None;
                 Ok(Device::Cpu)
             }
-            Device::Cuda(n) => {
-                let use_cublas = std::env::var_os("TE_NO_CUBLAS").is_none();
-                let cuda = Cuda::new(n, use_cublas)?;
+            Some(cuda) => {
+                let n = cuda.dev.context().ordinal();
                 self.cuda = Some(CudaModel::upload(self, cuda)?);
                 Ok(Device::Cuda(n))
             }

@@ -169,8 +169,13 @@ impl Cuda {
     /// failing call; never panics.
     pub fn new(ordinal: usize, use_cublas: bool) -> Result<Self> {
         super::check_libraries()?;
-        let dev =
-            CudaDevice::new_capturable(ordinal).map_err(|e| ModelError::Cuda(e.to_string()))?;
+        let dev = CudaDevice::new_capturable(ordinal).map_err(|e| {
+            let count = cudarc::driver::CudaContext::device_count()
+                .map_or_else(|_| "?".to_string(), |n| n.to_string());
+            ModelError::Cuda(format!(
+                "opening cuda:{ordinal} (the driver reports {count} GPUs): {e}"
+            ))
+        })?;
         let blas = if use_cublas {
             super::load_cublas(dev.stream())
         } else {
