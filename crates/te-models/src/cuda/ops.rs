@@ -124,6 +124,16 @@ impl std::fmt::Debug for Cuda {
     }
 }
 
+/// Rows of `dim` values in an RMSNorm input of `len` values.
+fn rms_rows(len: usize, dim: usize) -> Result<usize> {
+    if dim == 0 || !len.is_multiple_of(dim) {
+        return Err(ModelError::Cuda(format!(
+            "rms_norm: x holds {len} values, not rows of {dim}"
+        )));
+    }
+    Ok(len / dim)
+}
+
 fn elementwise(n: usize) -> LaunchConfig {
     let blocks = n
         .div_ceil(OPS_THREADS as usize)
@@ -464,13 +474,7 @@ impl DeviceOps for Cuda {
     ) -> Result<()> {
         let dim = w.len();
         check_len("rms_norm", "y", y.len(), x.len())?;
-        if dim == 0 || !x.len().is_multiple_of(dim) {
-            return Err(ModelError::Cuda(format!(
-                "rms_norm: x holds {} values, not rows of {dim}",
-                x.len()
-            )));
-        }
-        let rows = x.len() / dim;
+        let rows = rms_rows(x.len(), dim)?;
         if rows == 0 {
             return Ok(());
         }
@@ -491,13 +495,7 @@ impl DeviceOps for Cuda {
         eps: f32,
     ) -> Result<()> {
         let dim = w.len();
-        if dim == 0 || !x.len().is_multiple_of(dim) {
-            return Err(ModelError::Cuda(format!(
-                "rms_norm: x holds {} values, not rows of {dim}",
-                x.len()
-            )));
-        }
-        let rows = x.len() / dim;
+        let rows = rms_rows(x.len(), dim)?;
         if rows == 0 {
             return Ok(());
         }
