@@ -4,22 +4,9 @@
 //!
 //! Rows: `| case | time ms | attention | baseline | ratio | target |`.
 
-use std::time::Instant;
-
+use crate::best_of;
 use te_attention::{AttnMaskType, AttnMetadata, DotProductAttention, KvInput};
 use te_kernels::{KvCacheLayout, KvCacheView, QkvFormat};
-
-/// Best wall time (seconds) of `reps` runs after one warm-up.
-fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    (0..reps)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .fold(f64::INFINITY, f64::min)
-}
 
 /// Deterministic values in [-1, 1).
 fn fill(n: usize, seed: u64) -> Vec<f32> {

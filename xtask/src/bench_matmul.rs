@@ -10,8 +10,7 @@
 //! kernel replaced, measured in the same run: the weight dequantized to
 //! f32, then `matrixmultiply::sgemm`.
 
-use std::time::Instant;
-
+use crate::best_of;
 use rayon::prelude::*;
 use te_models::ops::{Linear, WeightData};
 use te_models::quant::{dequantize, GgmlType};
@@ -24,18 +23,6 @@ const TYPES: [(GgmlType, &[usize]); 5] = [
     (GgmlType::Q4_K, &[0, 2]),
     (GgmlType::Q6_K, &[208]),
 ];
-
-/// Best wall time (seconds) of `reps` runs after one warm-up.
-fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    (0..reps)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .fold(f64::INFINITY, f64::min)
-}
 
 /// Deterministic pseudo-random bytes.
 fn bytes(n: usize, seed: u64) -> Vec<u8> {

@@ -58,6 +58,18 @@ pub fn workspace_root() -> std::path::PathBuf {
         .to_path_buf()
 }
 
+/// Best wall time (seconds) of `reps` runs after one warm-up.
+pub(crate) fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    (0..reps)
+        .map(|_| {
+            let t = std::time::Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
 /// Builds the `te` binary (release, with cargo `features` of te-cli) and
 /// returns its path.
 pub fn build_te(features: &[&str]) -> anyhow::Result<std::path::PathBuf> {
