@@ -321,6 +321,17 @@ proptest! {
         prop_assert!(inplace.iter().zip(&mask).all(|(&v, &m)| m || v == 777.0));
     }
 
+    /// A table's entries do not depend on how many positions it covers: a
+    /// smaller table is a bitwise prefix of a larger one (what lets a model
+    /// grow its tables as sequences lengthen without changing a result).
+    #[test]
+    fn smaller_table_is_a_bitwise_prefix(n in 1usize..300, extra in 1usize..300, half in 1usize..9, base in 2.0f64..1e6) {
+        let build = |max_positions| RopeTable::new(&RopeFreqs { base, rotary_dim: 2 * half, max_positions, scaling: RopeScaling::None }).unwrap();
+        let (small, big) = (build(n), build(n + extra));
+        prop_assert_eq!(small.cos(), &big.cos()[..n * half]);
+        prop_assert_eq!(small.sin(), &big.sin()[..n * half]);
+    }
+
     /// A thd batch rotated with start_positions equals each sequence rotated alone.
     #[test]
     fn thd_batch_equals_sequences_alone(lens in proptest::collection::vec(0usize..9, 1..6), seed in any::<u64>()) {

@@ -313,6 +313,8 @@ impl Model {
             .chain([call_tag("tokens", tokens.iter().map(|&t| t as u64))])
             .collect();
         agree(cp.comm.as_mut(), "generation step", &words).map_err(ring_error)?;
+        let end = cp.step.iter().map(|p| p.start + p.n).max().unwrap_or(0);
+        let rope = self.rope_covering(end)?;
 
         // This rank's rows of the step, its runs of positions, its stores,
         // and the key positions it holds.
@@ -369,7 +371,7 @@ impl Model {
             if result.is_err() {
                 break;
             }
-            let rope = self.rope_for(layer);
+            let rope = rope.pair()[layer.window.is_some() as usize];
             let rows = Rows {
                 t,
                 rope_cu: &rope_cu,

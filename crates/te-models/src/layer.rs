@@ -238,6 +238,19 @@ pub(crate) struct Rows<'a> {
     pub rope_start: &'a [i32],
 }
 
+impl Rows<'_> {
+    /// One past the last position any sequence of the step reaches
+    /// (`start_positions[i] + seqlen[i]`, the most over `i`; 0 for none).
+    pub fn end_position(&self) -> usize {
+        self.rope_start
+            .iter()
+            .zip(self.rope_cu.windows(2))
+            .map(|(&s, cu)| (s.max(0) + (cu[1] - cu[0]).max(0)) as usize)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
 /// A layer's rotated queries `[t, hq * d]`, keys and values `[t, hkv * d]`,
 /// in buffers of type `B`.
 pub(crate) struct Qkv<'a, B> {

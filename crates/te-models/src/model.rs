@@ -2,6 +2,8 @@
 //! ([`crate::layer`]), final norm and output projection, over one ragged
 //! (thd) step planned by [`InferenceParams::pre_step`].
 
+use std::sync::{Arc, Mutex};
+
 use te_cache::{CacheLayout, HostKvStorage, InferenceParams, KvStorage};
 use te_kernels::rope::{RopeFreqs, RopeScaling, RopeTable};
 use te_kernels::DType;
@@ -22,36 +24,44 @@ pub enum Logits {
     All,
 }
 
-/// A loaded model: config, weights and the RoPE tables, built once.
+/// A loaded model: config, weights and the RoPE tables.
 pub struct Model {
     pub config: ModelConfig,
     pub weights: ModelWeights,
     pub(crate) layers: Vec<Layer>,
-    /// `[max_position_embeddings, d/2]` tables: global layers, then the
-    /// sliding-window layers' (same table when the bases agree).
-    rope_global: RopeTable,
-    rope_local: Option<RopeTable>,
+    /// The RoPE tables, covering the positions the steps so far reached
+    /// (grown by [`Model::rope_covering`], never past
+    /// `max_position_embeddings`).
+    rope: Mutex<Arc<RopeTables>>,
     /// The weights on a GPU after [`Model::to_device`] (`None`: CPU).
     pub(crate) cuda: Option<crate::cuda::CudaModel>,
 }
 
-impl Model {
-    /// Builds the model from a validated config and its weights.
-    pub fn new(config: ModelConfig, weights: ModelWeights) -> Result<Self> {
-        config.validate()?;
+/// A model's RoPE tables for positions `0..positions`: the global layers'
+/// and, when it differs, the sliding-window layers' (Gemma 3).
+pub(crate) struct RopeTables {
+    pub global: RopeTable,
+    pub local: Option<RopeTable>,
+}
+
+impl RopeTables {
+    /// Builds the tables of `config` for `positions` positions. A table's
+    /// entries do not depend on `positions` ([`RopeTable::new`] computes
+    /// each block of positions alone), so a smaller table is a bitwise
+    /// prefix of a larger one and growing changes no result.
+    pub fn new(config: &ModelConfig, positions: usize) -> Result<Self> {
         let table = |base: f32, scaling: RopeScaling| {
             RopeTable::new(&RopeFreqs {
                 base: base as f64,
                 rotary_dim: config.head_dim,
-                max_positions: config.max_position_embeddings,
+                max_positions: positions,
                 scaling,
             })
         };
-        let rope_global = table(config.rope_theta, config.rope_scaling)?;
         // Gemma 3's local layers use their own base, always unscaled (Hugging
         // Face `rope_local_base_freq`, rope_type "default"); other families
         // (Gemma 2 included) use one table for every layer.
-        let rope_local = if config.architecture == Architecture::Gemma3
+        let local = if config.architecture == Architecture::Gemma3
             && (config.rope_local_base_freq != config.rope_theta
                 || config.rope_scaling != RopeScaling::None)
         {
@@ -59,6 +69,37 @@ impl Model {
         } else {
             None
         };
+        Ok(RopeTables {
+            global: table(config.rope_theta, config.rope_scaling)?,
+            local,
+        })
+    }
+
+    /// Positions covered.
+    pub fn positions(&self) -> usize {
+        self.global.max_positions()
+    }
+
+    /// The global and the local layers' tables (the global one twice when
+    /// they agree).
+    pub fn pair(&self) -> [&RopeTable; 2] {
+        [&self.global, self.local.as_ref().unwrap_or(&self.global)]
+    }
+}
+
+/// Positions the RoPE tables cover before any step needs more: 2 MiB of
+/// tables for Gemma 3 (head_dim 256, two bases) instead of 64 MiB for all
+/// of its 32768 positions.
+const ROPE_INITIAL_POSITIONS: usize = 1024;
+
+impl Model {
+    /// Builds the model from a validated config and its weights.
+    pub fn new(config: ModelConfig, weights: ModelWeights) -> Result<Self> {
+        config.validate()?;
+        let rope = RopeTables::new(
+            &config,
+            config.max_position_embeddings.min(ROPE_INITIAL_POSITIONS),
+        )?;
         let layers = (0..config.num_hidden_layers)
             .map(|i| Layer::new(&config, i))
             .collect::<Result<Vec<_>>>()?;
@@ -66,10 +107,36 @@ impl Model {
             config,
             weights,
             layers,
-            rope_global,
-            rope_local,
+            rope: Mutex::new(Arc::new(rope)),
             cuda: None,
         })
+    }
+
+    /// Positions the CPU path's RoPE tables cover now: at most 1024 or
+    /// `max_position_embeddings` at first, grown as steps reach further.
+    pub fn rope_positions(&self) -> usize {
+        self.rope.lock().map_or(0, |r| r.positions())
+    }
+
+    /// The RoPE tables, grown first if a step reaches `positions`
+    /// (exclusive end, over every sequence of the step): to twice their
+    /// size or to `positions`, whichever is more, capped at
+    /// `max_position_embeddings` (positions past that are the RoPE
+    /// kernel's error). The lock is held only to swap the tables, so ranks
+    /// of a context-parallel group sharing the model never wait on each
+    /// other's steps.
+    pub(crate) fn rope_covering(&self, positions: usize) -> Result<Arc<RopeTables>> {
+        let mut rope = self
+            .rope
+            .lock()
+            .map_err(|_| ModelError::Request("the RoPE tables' lock is poisoned".into()))?;
+        let cap = self.config.max_position_embeddings;
+        let have = rope.positions();
+        if positions > have && have < cap {
+            let grown = positions.max(2 * have).min(cap);
+            *rope = Arc::new(RopeTables::new(&self.config, grown)?);
+        }
+        Ok(rope.clone())
     }
 
     /// A KV cache sized for this model: `max_batch_size` sequences of up
@@ -180,6 +247,7 @@ impl Model {
             rope_cu: plan.cu_seqlens_q(),
             rope_start: plan.start_positions(),
         };
+        let rope = self.rope_covering(rows.end_position())?;
         let mut attend = crate::layer::attend_cached(cache, &plan);
         let bufs = ModelBufs {
             layer: &mut ws.bufs,
@@ -190,10 +258,7 @@ impl Model {
         self.forward_on(
             &mut ws.cpu,
             &self.weights,
-            [
-                &self.rope_global,
-                self.rope_local.as_ref().unwrap_or(&self.rope_global),
-            ],
+            rope.pair(),
             tokens,
             rows,
             &ws.rows,
@@ -228,32 +293,13 @@ impl Model {
         dev.resize(x, t * hidden)?;
         dev.embed(&w.embed_tokens, tokens, self.embed_scale(), x)?;
         for (layer, lw) in self.layers.iter().zip(&w.layers) {
-            let rope = ropes[self.uses_local_rope(layer) as usize];
+            let rope = ropes[layer.window.is_some() as usize];
             layer.run(dev, lw, x, rows, rope, bufs.layer, attend)?;
         }
         // Rows that get logits: [n, hidden].
         dev.resize(bufs.h, logit_rows.len() * hidden)?;
         dev.gather_rows(x, logit_rows, hidden, bufs.h)?;
         self.head_on(dev, w, bufs.h, bufs.logits)
-    }
-
-    /// Whether `layer` uses the local RoPE table (Gemma 3's sliding-window
-    /// layers, when their table differs).
-    fn uses_local_rope(&self, layer: &Layer) -> bool {
-        self.rope_local.is_some() && layer.window.is_some()
-    }
-
-    /// The RoPE table of `layer` (Gemma 3's local layers have their own).
-    pub(crate) fn rope_for(&self, layer: &Layer) -> &RopeTable {
-        match (&self.rope_local, layer.window.is_some()) {
-            (Some(local), true) => local,
-            _ => &self.rope_global,
-        }
-    }
-
-    /// The global and local RoPE tables (for uploading to a device).
-    pub(crate) fn rope_tables(&self) -> (&RopeTable, Option<&RopeTable>) {
-        (&self.rope_global, self.rope_local.as_ref())
     }
 
     /// Final norm, output projection and final softcap on the CPU:

@@ -224,6 +224,37 @@ fn gemma3_prompt_longer_than_window_matches_f64_reference() {
     check_all_modes(&ck, 40);
 }
 
+/// The RoPE tables start at 1024 positions and grow with the steps: a
+/// 1100-token prompt in one prefill, in chunks across the boundary (paged)
+/// and token by token past it still matches the f64 reference, which
+/// computes each angle itself.
+#[test]
+fn gemma3_rope_tables_grow_past_their_first_size() {
+    let ck = Checkpoint::write(Spec {
+        max_position_embeddings: 4096,
+        seed: 16,
+        ..Spec::gemma3()
+    });
+    let model = ck.load().expect("load");
+    assert_eq!(model.rope_positions(), 1024, "the tables' first size");
+    let prompt = vec![prompts(&ck, 1100).swap_remove(0)];
+    let reference = [ck.reference(&prompt[0])];
+    let paged = CacheLayout::Paged {
+        page_size: 16,
+        total_num_pages: 70,
+    };
+    for (what, layout, sizes) in [
+        ("one prefill", CacheLayout::Contiguous, &[1100][..]),
+        ("chunks across 1024, paged", paged, &[700, 300, 60, 40]),
+        ("decode past 1024", CacheLayout::Contiguous, &[1000, 1]),
+    ] {
+        let steps = chunked(1100, sizes);
+        let rows = run_schedule(&model, layout, &prompt, &steps, Logits::All).expect(what);
+        assert_rows_match(&rows, &reference, true, what);
+        assert_eq!(model.rope_positions(), 2048, "{what}: grown to twice");
+    }
+}
+
 #[test]
 fn gemma3_sliding_window_pattern_matches_f64_reference() {
     // sliding_window_pattern 2 on 2 layers: layer 0 slides, layer 1 is global.

@@ -23,6 +23,7 @@
 //! rank where it started.
 
 use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
 
 use crate::error::RingError;
 
@@ -208,6 +209,10 @@ pub struct ThreadComm {
     from_prev: Receiver<Block>,
     /// The failure that ended this rank's ring, once known.
     failure: Option<Failure>,
+    /// The first failure any rank of this ring recorded, shared by all of
+    /// them: a rank whose neighbour is gone reports it rather than the
+    /// neighbour (which may only have stopped because of it).
+    first: Arc<Mutex<Option<Failure>>>,
 }
 
 impl ThreadComm {
@@ -224,6 +229,7 @@ impl ThreadComm {
         // Channel r carries blocks from rank r to rank r + 1.
         let (senders, mut receivers): (Vec<_>, Vec<_>) = (0..cp_size).map(|_| channel()).unzip();
         receivers.rotate_right(1);
+        let first = Arc::new(Mutex::new(None));
         Ok(senders
             .into_iter()
             .zip(receivers)
@@ -234,14 +240,17 @@ impl ThreadComm {
                 to_next: Some(to_next),
                 from_prev,
                 failure: None,
+                first: first.clone(),
             })
             .collect())
     }
 
-    /// Records `failure` (the first one wins), aborts, and returns it as
-    /// this rank's error.
+    /// Records `failure` (the first one wins, in this rank and in the
+    /// ring), aborts, and returns the ring's first failure as this rank's
+    /// error.
     fn fail(&mut self, failure: Failure) -> RingError {
-        self.failure.get_or_insert(failure);
+        let first = record_first(&self.first, failure);
+        self.failure.get_or_insert(first);
         self.abort_with("");
         self.failure_error()
     }
@@ -303,12 +312,27 @@ impl Communicator for ThreadComm {
         let Some(to_next) = self.to_next.take() else {
             return;
         };
-        let failure = self.failure.get_or_insert_with(|| Failure {
-            origin: self.cp_rank,
-            reason: reason.into(),
+        let first = &self.first;
+        let failure = self.failure.get_or_insert_with(|| {
+            record_first(
+                first,
+                Failure {
+                    origin: self.cp_rank,
+                    reason: reason.into(),
+                },
+            )
         });
         // The next rank may be gone already; nothing more to tell then.
         let _ = to_next.send(failure.marker());
+    }
+}
+
+/// `failure` recorded as the ring's first unless one is recorded already;
+/// returns the record (`failure` itself if the lock is poisoned).
+fn record_first(first: &Mutex<Option<Failure>>, failure: Failure) -> Failure {
+    match first.lock() {
+        Ok(mut first) => first.get_or_insert(failure).clone(),
+        Err(_) => failure,
     }
 }
 
@@ -370,6 +394,26 @@ mod tests {
         assert!(err.contains("rank 2: rank 0 failed: it left"), "{err}");
         let err = rank2.send_next(Block::from_slice(1, &[2u8])).unwrap_err();
         assert!(err.to_string().contains("rank 0 failed"), "{err}");
+    }
+
+    /// Rank 1 of 3 leaves; rank 0 notices (its send fails) and leaves
+    /// too; rank 2 then finds rank 0 gone before it hears from rank 1, and
+    /// still names rank 1, where it began.
+    #[test]
+    fn a_departure_is_named_by_ranks_that_see_its_effects_first() {
+        let mut ring = ThreadComm::ring(3).unwrap();
+        let mut rank2 = ring.pop().unwrap();
+        let rank1 = ring.pop().unwrap();
+        let mut rank0 = ring.pop().unwrap();
+        drop(rank1);
+        let err = rank0.send_next(Block::from_slice(1, &[0u8])).unwrap_err();
+        assert!(err.to_string().contains("rank 1 failed: it left"), "{err}");
+        drop(rank0);
+        let err = rank2.send_next(Block::from_slice(1, &[0u8])).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "ring_attention: rank 2: rank 1 failed: it left the ring"
+        );
     }
 
     #[test]

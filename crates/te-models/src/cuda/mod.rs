@@ -42,7 +42,7 @@ use plan::DevicePlan;
 pub use storage::{CudaKvStorage, KvStore};
 
 use crate::layer::{Layer, Qkv, Rows};
-use crate::model::{Logits, Model, ModelBufs};
+use crate::model::{Logits, Model, ModelBufs, RopeTables};
 use crate::ops::{Linear, WeightData};
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
@@ -188,9 +188,13 @@ impl CudaModel {
             },
             |v: &Vec<f32>| stream.clone_htod(v).map_err(|e| cuda_err("upload", e)),
         )?;
-        let (global, local) = model.rope_tables();
-        let rope_global = CudaRopeTable::new(&cuda.dev, global)?;
-        let rope_local = local
+        // Every position up front: device memory is not what limits a GPU
+        // run, and graphs capture the tables' addresses.
+        let rope = RopeTables::new(&model.config, model.config.max_position_embeddings)?;
+        let rope_global = CudaRopeTable::new(&cuda.dev, &rope.global)?;
+        let rope_local = rope
+            .local
+            .as_ref()
             .map(|t| CudaRopeTable::new(&cuda.dev, t))
             .transpose()?;
         Ok(CudaModel {
