@@ -265,7 +265,7 @@ pub fn save_kv_cpu_reusing<T: Element>(
         SharedMut(k_cache.as_mut_ptr()),
         SharedMut(v_cache.as_mut_ptr()),
     );
-    pairs.par_iter().with_min_len(8).for_each(|&(src, dst)| {
+    let copy = |&(src, dst): &(u64, u64)| {
         let (kc, vc) = (kc, vc);
         let (src, dst) = (src as usize, dst as usize);
         // SAFETY: `plan_save` checked every cache row is in bounds and
@@ -274,9 +274,18 @@ pub fn save_kv_cpu_reusing<T: Element>(
             std::ptr::copy_nonoverlapping(k[src * rk..][..rk].as_ptr(), kc.0.add(dst * rk), rk);
             std::ptr::copy_nonoverlapping(v[src * rv..][..rv].as_ptr(), vc.0.add(dst * rv), rv);
         }
-    });
+    };
+    // A decode step's few rows are copied faster than the pool is woken.
+    if pairs.len() * (rk + rv) <= SERIAL_SAVE_MAX {
+        pairs.iter().for_each(copy);
+    } else {
+        pairs.par_iter().with_min_len(8).for_each(copy);
+    }
     Ok(())
 }
+
+/// Up to this many values per save, rows are copied on the calling thread.
+const SERIAL_SAVE_MAX: usize = 64 * 1024;
 
 /// Shape of a thd <-> bshd conversion: `thd: [t, h, d]` with `t >=
 /// cu_seqlens[b]`, `bshd: [b, s, h, d]` with `s = max_seqlen >= every

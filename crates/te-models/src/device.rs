@@ -17,7 +17,9 @@ use te_attention::AttentionWorkspace;
 use te_kernels::rope::{apply_rope_cpu, RopeArgs, RopeTable};
 
 use crate::config::Activation;
-use crate::ops::{add_inplace, gelu_tanh, rms_norm_inplace, rms_norm_into, silu, Linear};
+use crate::ops::{
+    add_inplace, gelu_tanh, rms_norm_inplace, rms_norm_into, silu, Linear, SERIAL_MAX,
+};
 use crate::{ModelError, Result};
 use rayon::prelude::*;
 
@@ -47,6 +49,22 @@ pub trait DeviceOps {
         t: usize,
         y: &mut Self::Buf,
     ) -> Result<()>;
+    /// [`linear`](Self::linear) of `N` matrices on the same `x` (a layer's
+    /// Q, K and V, or its gate and up projections): `ys[i]: [t, out_i] =
+    /// x · ws[i]ᵀ (+ bias)`, each exactly as `linear` computes it. The CPU
+    /// runs them as one parallel launch; by default they run one by one.
+    fn linear_many<const N: usize>(
+        &mut self,
+        ws: [&Self::Linear; N],
+        x: &Self::Buf,
+        t: usize,
+        ys: [&mut Self::Buf; N],
+    ) -> Result<()> {
+        for (w, y) in ws.into_iter().zip(ys) {
+            self.linear(w, x, t, y)?;
+        }
+        Ok(())
+    }
     /// `y = RMSNorm(x) * w` over rows of `w`'s length (`x`, `y` same shape).
     fn rms_norm_into(
         &mut self,
@@ -110,6 +128,17 @@ impl DeviceOps for Cpu {
         Ok(())
     }
 
+    fn linear_many<const N: usize>(
+        &mut self,
+        ws: [&Linear; N],
+        x: &Vec<f32>,
+        t: usize,
+        ys: [&mut Vec<f32>; N],
+    ) -> Result<()> {
+        Linear::forward_many_into(ws, x, t, ys.map(|y| &mut y[..]), &mut self.scratch);
+        Ok(())
+    }
+
     fn rms_norm_into(
         &mut self,
         x: &Vec<f32>,
@@ -136,9 +165,12 @@ impl DeviceOps for Cpu {
             Activation::Silu => silu,
             Activation::GeluTanh => gelu_tanh,
         };
-        g.par_iter_mut()
-            .zip(&**u)
-            .for_each(|(g, u)| *g = act(*g) * u);
+        let gate = |(g, u): (&mut f32, &f32)| *g = act(*g) * u;
+        if g.len() <= SERIAL_MAX {
+            g.iter_mut().zip(&**u).for_each(gate);
+        } else {
+            g.par_iter_mut().zip(&**u).for_each(gate);
+        }
         Ok(())
     }
 

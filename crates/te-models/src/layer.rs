@@ -158,9 +158,8 @@ impl Layer {
 
         // Attention block. n: [t, hidden]
         dev.rms_norm_into(x, &w.attn_norm, self.eps, n)?;
-        dev.linear(&w.q_proj, n, t, q)?; // [t, hq, d]
-        dev.linear(&w.k_proj, n, t, k)?; // [t, hkv, d]
-        dev.linear(&w.v_proj, n, t, v)?; // [t, hkv, d]
+        // q: [t, hq, d], k and v: [t, hkv, d]
+        dev.linear_many([&w.q_proj, &w.k_proj, &w.v_proj], n, t, [q, k, v])?;
         if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
             // Gemma 3: RMSNorm over each head's d values.
             dev.rms_norm_inplace(q, qn, self.eps)?;
@@ -187,8 +186,8 @@ impl Layer {
 
         // MLP block: down(act(gate(n)) * up(n)).
         dev.rms_norm_into(x, &w.ffn_norm, self.eps, n)?;
-        dev.linear(&w.gate_proj, n, t, g)?; // [t, intermediate]
-        dev.linear(&w.up_proj, n, t, u)?;
+        // g and u: [t, intermediate]
+        dev.linear_many([&w.gate_proj, &w.up_proj], n, t, [g, u])?;
         dev.gated_act(self.activation, g, u)?;
         let m = o; // [t, hidden], reused
         dev.linear(&w.down_proj, g, t, m)?;

@@ -310,39 +310,74 @@ pub(crate) fn matmul_into(
     y: &mut [f32],
     scratch: &mut Vec<f32>,
 ) {
-    matmul_into_isa(Isa::detect(), x, t, w, n, k, y, scratch)
+    matmul_many_into_isa(Isa::detect(), x, t, k, [Product { w, n, y }], scratch)
 }
 
-/// [`matmul_into`] on the given instruction set (which the CPU must run).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn matmul_into_isa(
+/// One of the products [`matmul_many_into`] runs on a shared `x: [t, k]`:
+/// `y: [t, n] = x · wᵀ`, `w: [n, k]`.
+pub(crate) struct Product<'a, 'y> {
+    pub w: Weights<'a>,
+    pub n: usize,
+    pub y: &'y mut [f32],
+}
+
+/// [`matmul_into`] for several weight matrices applied to the same `x`
+/// (a layer's Q, K and V, or its gate and up projections) in one parallel
+/// launch: the tasks cover the rows of every matrix, so the pool's
+/// threads are handed work once instead of `N` times (in decode a launch
+/// takes about as long as handing it over). Each output is computed
+/// exactly as [`matmul_into`] computes it.
+pub(crate) fn matmul_many_into<const N: usize>(
+    x: &[f32],
+    t: usize,
+    k: usize,
+    products: [Product<'_, '_>; N],
+    scratch: &mut Vec<f32>,
+) {
+    matmul_many_into_isa(Isa::detect(), x, t, k, products, scratch)
+}
+
+/// [`matmul_many_into`] on the given instruction set (which the CPU must
+/// run).
+pub(crate) fn matmul_many_into_isa<const N: usize>(
     isa: Isa,
     x: &[f32],
     t: usize,
-    w: Weights<'_>,
-    n: usize,
     k: usize,
-    y: &mut [f32],
+    products: [Product<'_, '_>; N],
     scratch: &mut Vec<f32>,
 ) {
     assert_eq!(x.len(), t * k, "matmul: x is not [t, k]");
-    assert_eq!(y.len(), t * n, "matmul: y is not [t, n]");
-    if let Weights::F32(w) = w {
-        assert_eq!(w.len(), n * k, "matmul: w is not [n, k]");
+    for p in &products {
+        assert_eq!(p.y.len(), t * p.n, "matmul: y is not [t, n]");
+        if let Weights::F32(w) = p.w {
+            assert_eq!(w.len(), p.n * k, "matmul: w is not [n, k]");
+        }
     }
-    if t == 0 || n == 0 {
+    let total: usize = products.iter().map(|p| p.n).sum();
+    if t == 0 || total == 0 {
         return;
     }
     let threads = rayon::current_num_threads().max(1);
-    let rows_per_task = n.div_ceil(threads * TASKS_PER_THREAD).div_ceil(MR) * MR;
-    let tasks = n.div_ceil(rows_per_task);
+    let rows_per_task = total.div_ceil(threads * TASKS_PER_THREAD).div_ceil(MR) * MR;
+    // Product i's tasks are first_task[i] .. first_task[i + 1].
+    let mut first_task = [0usize; N];
+    let mut tasks = 0;
+    for (first, p) in first_task.iter_mut().zip(&products) {
+        *first = tasks;
+        tasks += p.n.div_ceil(rows_per_task);
+    }
     let prows = panel_rows(k).min(rows_per_task);
     // Per task: the decoded panel (quantized weights; f32 weights are read
     // in place), then the k-blocked kernel's accumulator state.
     let state_len = STATE_ROWS * prows.div_ceil(MR) * MR * 16;
-    let (row_bytes, panel_len) = match w {
-        Weights::F32(_) => (0, state_len),
-        Weights::Quantized { data, .. } => (data.len() / n, prows * k + state_len),
+    let quantized = products
+        .iter()
+        .any(|p| matches!(p.w, Weights::Quantized { .. }));
+    let panel_len = if quantized {
+        prows * k + state_len
+    } else {
+        state_len
     };
     // scratch: [panels: tasks * panel_len]
     let need = tasks * panel_len;
@@ -350,58 +385,81 @@ pub(crate) fn matmul_into_isa(
         scratch.resize(need, 0.0);
     }
     let panels = &mut scratch[..need];
-    // Few token rows: decode in registers (AVX-512 group decoders).
-    #[cfg(target_arch = "x86_64")]
-    let fused = isa == Isa::Avx512
-        && t <= FUSED_MAX_ROWS
-        && matches!(w, Weights::Quantized { ty, .. } if fused_type(ty));
-    #[cfg(target_arch = "x86_64")]
-    let fused_avx2 = isa == Isa::Avx2
-        && t <= FUSED_MAX_ROWS_AVX2
-        && matches!(w, Weights::Quantized { ty, .. } if crate::quant::avx2::available(ty));
-    let out = Out {
-        ptr: y.as_mut_ptr(),
-        n,
-    };
+    // The outputs are written only through these pointers from here on.
+    let ws = products.map(|p| {
+        let out = Out {
+            ptr: p.y.as_mut_ptr(),
+            n: p.n,
+        };
+        (p.w, p.n, out)
+    });
     panels
         .par_chunks_mut(panel_len)
         .enumerate()
         .for_each(|(ti, panel)| {
+            let i = first_task.iter().rposition(|&f| f <= ti).unwrap_or(0);
+            let (w, n, out) = ws[i];
             // This task's weight rows, i.e. columns j0 .. j0 + rows of y.
-            let j0 = ti * rows_per_task;
+            let j0 = (ti - first_task[i]) * rows_per_task;
             let rows = rows_per_task.min(n - j0);
-            #[cfg(target_arch = "x86_64")]
-            if let (true, Weights::Quantized { ty, data }) = (fused, w) {
-                let data = &data[j0 * row_bytes..(j0 + rows) * row_bytes];
-                fused_product(ty, x, t, k, data, row_bytes, rows, out, j0);
-                return;
-            }
-            #[cfg(target_arch = "x86_64")]
-            if let (true, Weights::Quantized { ty, data }) = (fused_avx2, w) {
-                let data = &data[j0 * row_bytes..(j0 + rows) * row_bytes];
-                fused_product_avx2(ty, x, t, k, data, row_bytes, rows, out, j0);
-                return;
-            }
-            for p0 in (0..rows).step_by(prows) {
-                let pr = prows.min(rows - p0);
-                let (r0, r1) = (j0 + p0, j0 + p0 + pr);
-                let (decoded, state) = panel.split_at_mut(panel.len() - state_len);
-                let wp: &[f32] = match w {
-                    Weights::F32(w) => &w[r0 * k..r1 * k],
-                    Weights::Quantized { ty, data } => {
-                        let dst = &mut decoded[..pr * k];
-                        dequantize_blocks(ty, &data[r0 * row_bytes..r1 * row_bytes], dst);
-                        dst
-                    }
-                };
-                #[cfg(target_arch = "x86_64")]
-                if isa == Isa::Avx512 {
-                    panel_product_avx512(x, t, k, wp, pr, state, out, r0);
-                    continue;
-                }
-                panel_product(isa, x, t, k, wp, k, pr, out, r0);
-            }
+            product_task(isa, x, t, k, w, n, j0, rows, prows, state_len, panel, out);
         });
+}
+
+/// Rows `j0 .. j0 + rows` of one product (columns of its `y`), with the
+/// task's scratch `panel` (`prows * k` decoded weights when quantized,
+/// then `state_len` accumulators).
+#[allow(clippy::too_many_arguments)]
+fn product_task(
+    isa: Isa,
+    x: &[f32],
+    t: usize,
+    k: usize,
+    w: Weights<'_>,
+    n: usize,
+    j0: usize,
+    rows: usize,
+    prows: usize,
+    state_len: usize,
+    panel: &mut [f32],
+    out: Out,
+) {
+    let row_bytes = match w {
+        Weights::F32(_) => 0,
+        Weights::Quantized { data, .. } => data.len() / n,
+    };
+    // Few token rows: decode in registers (AVX-512 group decoders).
+    #[cfg(target_arch = "x86_64")]
+    if let Weights::Quantized { ty, data } = w {
+        let data = &data[j0 * row_bytes..(j0 + rows) * row_bytes];
+        if isa == Isa::Avx512 && t <= FUSED_MAX_ROWS && fused_type(ty) {
+            fused_product(ty, x, t, k, data, row_bytes, rows, out, j0);
+            return;
+        }
+        if isa == Isa::Avx2 && t <= FUSED_MAX_ROWS_AVX2 && crate::quant::avx2::available(ty) {
+            fused_product_avx2(ty, x, t, k, data, row_bytes, rows, out, j0);
+            return;
+        }
+    }
+    for p0 in (0..rows).step_by(prows) {
+        let pr = prows.min(rows - p0);
+        let (r0, r1) = (j0 + p0, j0 + p0 + pr);
+        let (decoded, state) = panel.split_at_mut(panel.len() - state_len);
+        let wp: &[f32] = match w {
+            Weights::F32(w) => &w[r0 * k..r1 * k],
+            Weights::Quantized { ty, data } => {
+                let dst = &mut decoded[..pr * k];
+                dequantize_blocks(ty, &data[r0 * row_bytes..r1 * row_bytes], dst);
+                dst
+            }
+        };
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx512 {
+            panel_product_avx512(x, t, k, wp, pr, state, out, r0);
+            continue;
+        }
+        panel_product(isa, x, t, k, wp, k, pr, out, r0);
+    }
 }
 
 /// Columns per k-block of the AVX-512 panel kernel: a 6-row tile of `x`
@@ -983,7 +1041,7 @@ mod tests {
         let mut y = vec![f32::NAN; t * n];
         // Poisoned scratch: every value the kernel reads from it is written first.
         let mut scratch = vec![f32::NAN; 7];
-        matmul_into_isa(isa, x, t, w, n, k, &mut y, &mut scratch);
+        matmul_many_into_isa(isa, x, t, k, [Product { w, n, y: &mut y }], &mut scratch);
         y
     }
 
@@ -1042,6 +1100,56 @@ mod tests {
                             }
                         }
                     }
+                }
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+
+        /// Three products of different weight types and sizes on one `x`
+        /// in one launch ([`matmul_many_into_isa`], as a layer's Q, K and
+        /// V run) give each product's outputs bit for bit as it gives
+        /// alone, for decode and batched `t`, on every instruction set.
+        #[test]
+        fn products_in_one_launch_equal_each_alone(
+            seed: u64,
+            types in proptest::array::uniform3(0usize..TYPES.len()),
+            ns in proptest::array::uniform3(1usize..=37),
+            t in prop_oneof![Just(1usize), Just(2), 1usize..=40],
+            f32_first: bool,
+        ) {
+            let mut rng = StdRng::seed_from_u64(seed);
+            // One k every block type divides: 256 (Q4_K, Q6_K).
+            let k = 256;
+            let data: Vec<Vec<u8>> = (0..3)
+                .map(|i| random_weights(TYPES[types[i]].0, TYPES[types[i]].1, ns[i], k, &mut rng))
+                .collect();
+            // Product 0 optionally as f32 weights read in place.
+            let mut wf = vec![f32::NAN; ns[0] * k];
+            crate::quant::dequantize("w", TYPES[types[0]].0, &data[0], k, &mut wf).expect("dequantize");
+            let ws: Vec<Weights<'_>> = (0..3)
+                .map(|i| match (i, f32_first) {
+                    (0, true) => Weights::F32(&wf),
+                    _ => Weights::Quantized { ty: TYPES[types[i]].0, data: &data[i] },
+                })
+                .collect();
+            let x: Vec<f32> = (0..t * k).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+            for isa in Isa::available() {
+                let mut ys: Vec<Vec<f32>> = ns.iter().map(|&n| vec![f32::NAN; t * n]).collect();
+                let [y0, y1, y2] = &mut ys[..] else { unreachable!() };
+                let products = [
+                    Product { w: ws[0], n: ns[0], y: y0 },
+                    Product { w: ws[1], n: ns[1], y: y1 },
+                    Product { w: ws[2], n: ns[2], y: y2 },
+                ];
+                let mut scratch = vec![f32::NAN; 3];
+                matmul_many_into_isa(isa, &x, t, k, products, &mut scratch);
+                for i in 0..3 {
+                    let alone = run(isa, &x, t, ws[i], ns[i], k);
+                    let same = ys[i].iter().zip(&alone).all(|(a, b)| a.to_bits() == b.to_bits());
+                    prop_assert!(same, "{:?} product {} ({:?}) t {}", isa, i, TYPES[types[i]].0, t);
                 }
             }
         }

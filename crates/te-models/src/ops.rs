@@ -151,21 +151,54 @@ impl Linear {
     /// once `scratch` has grown. Each output row is bit-identical for any
     /// `t` and any position in the batch ([`crate::matmul`]).
     pub fn forward_into(&self, x: &[f32], t: usize, y: &mut [f32], scratch: &mut Vec<f32>) {
-        let (n, k) = (self.out_features, self.in_features);
-        assert_eq!(
-            y.len(),
-            t * n,
-            "Linear::forward_into: y is not [t, out_features]"
+        Linear::forward_many_into([self], x, t, [y], scratch)
+    }
+
+    /// [`forward_into`](Self::forward_into) of `N` layers that read the
+    /// same `x: [t, in_features]` (Q, K and V; gate and up), in one
+    /// parallel launch ([`matmul::matmul_many_into`]): `ys[i]: [t,
+    /// ls[i].out_features]`, each bit-identical to its own
+    /// `forward_into`.
+    ///
+    /// Panics: layers of different `in_features`, or a `y` or `x` of the
+    /// wrong length.
+    pub fn forward_many_into<const N: usize>(
+        ls: [&Linear; N],
+        x: &[f32],
+        t: usize,
+        ys: [&mut [f32]; N],
+        scratch: &mut Vec<f32>,
+    ) {
+        let k = ls.first().map_or(0, |l| l.in_features);
+        assert!(
+            ls.iter().all(|l| l.in_features == k),
+            "Linear::forward_many_into: layers of different in_features"
         );
-        match &self.weight {
-            WeightData::F32(w) => matmul_transposed_into(x, t, w, n, k, y, scratch),
-            WeightData::Quantized { ty, data } => {
-                matmul_quantized_into(x, t, *ty, data, n, k, y, scratch)
-            }
+        let mut ys = ys;
+        for (l, y) in ls.iter().zip(&ys) {
+            assert_eq!(
+                y.len(),
+                t * l.out_features,
+                "Linear::forward_into: y is not [t, out_features]"
+            );
         }
-        if let Some(b) = &self.bias {
-            for row in y.chunks_exact_mut(n) {
-                add_inplace(row, b);
+        let products = {
+            let mut outs = ys.each_mut().into_iter();
+            ls.map(|l| matmul::Product {
+                w: match &l.weight {
+                    WeightData::F32(w) => Weights::F32(w),
+                    WeightData::Quantized { ty, data } => Weights::Quantized { ty: *ty, data },
+                },
+                n: l.out_features,
+                y: outs.next().expect("one output per layer"),
+            })
+        };
+        matmul::matmul_many_into(x, t, k, products, scratch);
+        for (l, y) in ls.iter().zip(ys) {
+            if let Some(b) = &l.bias {
+                for row in y.chunks_exact_mut(l.out_features) {
+                    add_inplace(row, b);
+                }
             }
         }
     }
@@ -190,23 +223,6 @@ impl Linear {
             .for_each(|(r, row)| self.row_into(r, row));
         w
     }
-}
-
-/// `y = x · wᵀ` for a quantized `w: [n, k]`, through [`crate::matmul`]
-/// (one blocked kernel for every `t`: a row's result does not depend on
-/// the batch).
-#[allow(clippy::too_many_arguments)]
-fn matmul_quantized_into(
-    x: &[f32],
-    t: usize,
-    ty: GgmlType,
-    data: &[u8],
-    n: usize,
-    k: usize,
-    y: &mut [f32],
-    scratch: &mut Vec<f32>,
-) {
-    matmul::matmul_into(x, t, Weights::Quantized { ty, data }, n, k, y, scratch)
 }
 
 /// `y = x · wᵀ`: `x: [t, k]`, `w: [n, k]` -> `y: [t, n]`, f32, with the
@@ -250,16 +266,27 @@ pub fn rms_norm_into(x: &[f32], w: &[f32], eps: f32, y: &mut [f32]) {
     rms_norm_inplace(y, w, eps);
 }
 
+/// Below this many values an elementwise or row-wise op runs on the
+/// calling thread: handing a few thousand values to the pool costs more
+/// than computing them (decode steps run ~7 such ops per layer). The
+/// result is the same either way (each value is computed alone).
+pub(crate) const SERIAL_MAX: usize = 16 * 1024;
+
 /// In-place [`rms_norm`] over rows of length `w.len()`.
 pub fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
     let dim = w.len();
-    x.par_chunks_mut(dim).for_each(|row| {
+    let norm = |row: &mut [f32]| {
         let ms = row.iter().map(|v| v * v).sum::<f32>() / dim as f32;
         let inv = 1.0 / (ms + eps).sqrt();
         for (v, g) in row.iter_mut().zip(w) {
             *v = *v * inv * g;
         }
-    });
+    };
+    if x.len() <= SERIAL_MAX {
+        x.chunks_mut(dim).for_each(norm);
+    } else {
+        x.par_chunks_mut(dim).for_each(norm);
+    }
 }
 
 /// SiLU: `x * sigmoid(x)`.
