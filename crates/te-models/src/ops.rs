@@ -156,7 +156,8 @@ impl Linear {
 
     /// [`forward_into`](Self::forward_into) of `N` layers that read the
     /// same `x: [t, in_features]` (Q, K and V; gate and up), in one
-    /// parallel launch ([`matmul::matmul_many_into`]): `ys[i]: [t,
+    /// parallel launch whose tasks cover the rows of every weight (fewer
+    /// hand-offs to the thread pool in decode): `ys[i]: [t,
     /// ls[i].out_features]`, each bit-identical to its own
     /// `forward_into`.
     ///
