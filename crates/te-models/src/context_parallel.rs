@@ -371,7 +371,7 @@ impl Model {
             if result.is_err() {
                 break;
             }
-            let rope = rope.pair()[layer.window.is_some() as usize];
+            let rope = rope.pair()[layer.rope_slot()];
             let rows = Rows {
                 t,
                 rope_cu: &rope_cu,

@@ -40,6 +40,13 @@ pub struct Layer {
 }
 
 impl Layer {
+    /// Which of a model's two RoPE tables this layer rotates with: 1, the
+    /// local one, for sliding-window layers (Gemma 3's local base; the
+    /// global table again where the bases agree), else 0.
+    pub(crate) fn rope_slot(&self) -> usize {
+        self.window.is_some() as usize
+    }
+
     /// Layer `index` of a model with config `c`.
     pub fn new(c: &ModelConfig, index: usize) -> Result<Self> {
         let window = c.layer_windows[index];

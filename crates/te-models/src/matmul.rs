@@ -391,24 +391,24 @@ pub(crate) fn matmul_many_into_isa<const N: usize>(
             ptr: p.y.as_mut_ptr(),
             n: p.n,
         };
-        (p.w, p.n, out)
+        (p.w, out)
     });
     panels
         .par_chunks_mut(panel_len)
         .enumerate()
         .for_each(|(ti, panel)| {
             let i = first_task.iter().rposition(|&f| f <= ti).unwrap_or(0);
-            let (w, n, out) = ws[i];
+            let (w, out) = ws[i];
             // This task's weight rows, i.e. columns j0 .. j0 + rows of y.
             let j0 = (ti - first_task[i]) * rows_per_task;
-            let rows = rows_per_task.min(n - j0);
-            product_task(isa, x, t, k, w, n, j0, rows, prows, state_len, panel, out);
+            let rows = rows_per_task.min(out.n - j0);
+            product_task(isa, x, t, k, w, j0, rows, prows, state_len, panel, out);
         });
 }
 
-/// Rows `j0 .. j0 + rows` of one product (columns of its `y`), with the
-/// task's scratch `panel` (`prows * k` decoded weights when quantized,
-/// then `state_len` accumulators).
+/// Rows `j0 .. j0 + rows` of one product (columns of its `y: [t, out.n]`),
+/// with the task's scratch `panel` (`prows * k` decoded weights when
+/// quantized, then `state_len` accumulators).
 #[allow(clippy::too_many_arguments)]
 fn product_task(
     isa: Isa,
@@ -416,7 +416,6 @@ fn product_task(
     t: usize,
     k: usize,
     w: Weights<'_>,
-    n: usize,
     j0: usize,
     rows: usize,
     prows: usize,
@@ -426,7 +425,7 @@ fn product_task(
 ) {
     let row_bytes = match w {
         Weights::F32(_) => 0,
-        Weights::Quantized { data, .. } => data.len() / n,
+        Weights::Quantized { data, .. } => data.len() / out.n,
     };
     // Few token rows: decode in registers (AVX-512 group decoders).
     #[cfg(target_arch = "x86_64")]

@@ -116,8 +116,9 @@ impl Model {
         })
     }
 
-    /// Positions the CPU path's RoPE tables cover now: at most 1024 or
-    /// `max_position_embeddings` at first, grown as steps reach further.
+    /// Positions the CPU path's RoPE tables cover now: 1024 (or
+    /// `max_position_embeddings` if smaller) at first, grown as steps
+    /// reach further.
     pub fn rope_positions(&self) -> usize {
         self.rope.lock().map_or(0, |r| r.positions())
     }
@@ -126,9 +127,10 @@ impl Model {
     /// (exclusive end, over every sequence of the step): to twice their
     /// size or to `positions`, whichever is more, capped at
     /// `max_position_embeddings` (positions past that are the RoPE
-    /// kernel's error). The lock is held only to swap the tables, so ranks
-    /// of a context-parallel group sharing the model never wait on each
-    /// other's steps.
+    /// kernel's error). The lock is held while the tables are checked and,
+    /// when they grow, rebuilt; never across a step, so ranks of a
+    /// context-parallel group sharing the model never wait on each other's
+    /// steps.
     pub(crate) fn rope_covering(&self, positions: usize) -> Result<Arc<RopeTables>> {
         let mut rope = self
             .rope
@@ -309,7 +311,7 @@ impl Model {
         dev.resize(x, t * hidden)?;
         dev.embed(&w.embed_tokens, tokens, self.embed_scale(), x)?;
         for (layer, lw) in self.layers.iter().zip(&w.layers) {
-            let rope = ropes[layer.window.is_some() as usize];
+            let rope = ropes[layer.rope_slot()];
             layer.run(dev, lw, x, rows, rope, bufs.layer, attend)?;
         }
         // Rows that get logits: [n, hidden].

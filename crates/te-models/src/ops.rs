@@ -167,7 +167,7 @@ impl Linear {
         ls: [&Linear; N],
         x: &[f32],
         t: usize,
-        ys: [&mut [f32]; N],
+        mut ys: [&mut [f32]; N],
         scratch: &mut Vec<f32>,
     ) {
         let k = ls.first().map_or(0, |l| l.in_features);
@@ -175,7 +175,6 @@ impl Linear {
             ls.iter().all(|l| l.in_features == k),
             "Linear::forward_many_into: layers of different in_features"
         );
-        let mut ys = ys;
         for (l, y) in ls.iter().zip(&ys) {
             assert_eq!(
                 y.len(),
