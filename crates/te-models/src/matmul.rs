@@ -745,46 +745,48 @@ mod avx512 {
     }
 
     /// A kernel like [`tile`] for weight rows in GGUF blocks, decoded in
-    /// registers 32 values at a time by `$decode` (`crate::quant::avx512`)
-    /// and multiplied in at once: the same values and the same lanes as
-    /// decoding a panel first, without storing it (decode, `t` small).
+    /// registers 32 values at a time by `crate::quant::avx512`'s decoders
+    /// (`$block` once per block of `$bytes` bytes, `$group` for each of its
+    /// groups `$sub`) and multiplied in at once: the same values and the
+    /// same lanes as decoding a panel first, without storing it (decode,
+    /// `t` small).
     macro_rules! fused {
-        ($name:ident, $decode:path, $groups_per_block:literal) => {
+        ($name:ident, $block:path, $group:path, $bytes:literal, $hint:ident, [$($sub:literal),+]) => {
             /// # Safety
             /// The CPU must support AVX-512F, AVX2, F16C and FMA; every `x`
             /// pointer must start `k` readable floats; each `w` row holds
-            /// `k` weights of the decoder's type (`k` a multiple of 32).
+            /// `k` weights of the decoders' type (`k` a multiple of 32).
             #[target_feature(enable = "avx512f,avx2,f16c,fma")]
             pub(super) unsafe fn $name<const NR: usize>(
                 x: &[*const f32; NR],
                 w: &[&[u8]; MR],
                 k: usize,
             ) -> [[f32; NR]; MR] {
+                const GROUPS: usize = [$($sub),+].len();
                 let mut acc = [[_mm512_setzero_ps(); NR]; MR];
-                // Bytes per group of 32 weights (rounded down for Q6_K's
-                // 210-byte blocks: the prefetches still touch every line).
-                let group_bytes = w[0].len() * 32 / k;
                 // Block by block, each weight row's groups in order (so
                 // every accumulator still sees its columns in increasing
-                // order); the unrolled groups of one block share its
-                // scale decoding.
-                for blk in 0..k / (32 * $groups_per_block) {
+                // order).
+                for blk in 0..k / (32 * GROUPS) {
                     for m in 0..MR {
-                        for sub in 0..$groups_per_block {
-                            let g = $groups_per_block * blk + sub;
-                            let c = 32 * g;
-                            // The same group of the row MR rows on (the
-                            // next tile's, usually adjacent in memory): the
-                            // hardware prefetcher alone loses the short rows
-                            // at every 4 KiB page of a file map. A prefetch
-                            // never faults, so a pointer past the weights
-                            // is harmless.
-                            _mm_prefetch::<_MM_HINT_T0>(
-                                w[m].as_ptr()
-                                    .wrapping_add(MR * w[m].len() + g * group_bytes)
-                                    .cast(),
-                            );
-                            let [v0, v1] = $decode(w[m], g);
+                        let b = &w[m][$bytes * blk..$bytes * (blk + 1)];
+                        // The same block of the row MR rows on (the next
+                        // tile's, usually adjacent in memory): the hardware
+                        // prefetcher alone loses the short rows at every
+                        // 4 KiB page of a file map. A prefetch never
+                        // faults, so a pointer past the weights is harmless.
+                        let ahead = b.as_ptr().wrapping_add(MR * w[m].len());
+                        let mut line = 0;
+                        while line < $bytes {
+                            _mm_prefetch::<$hint>(ahead.wrapping_add(line).cast());
+                            line += 64;
+                        }
+                        let shared = $block(b);
+                        // Written out (not a loop) so each group's place in
+                        // its block is a constant in the decoder.
+                        $({
+                            let c = 32 * (GROUPS * blk + $sub);
+                            let [v0, v1] = $group(b, $sub, &shared);
                             for r in 0..NR {
                                 // SAFETY: c + 32 <= k for every row.
                                 let (x0, x1) = unsafe {
@@ -796,7 +798,7 @@ mod avx512 {
                                 acc[m][r] = _mm512_fmadd_ps(x0, v0, acc[m][r]);
                                 acc[m][r] = _mm512_fmadd_ps(x1, v1, acc[m][r]);
                             }
-                        }
+                        })+
                     }
                 }
                 let mut out = [[0.0f32; NR]; MR];
@@ -809,12 +811,34 @@ mod avx512 {
             }
         };
     }
-    fused!(fused_q4_0, crate::quant::avx512::q4_0, 1);
-    fused!(fused_q4_1, crate::quant::avx512::q4_1, 1);
-    fused!(fused_q5_0, crate::quant::avx512::q5_0, 1);
-    fused!(fused_q8_0, crate::quant::avx512::q8_0, 1);
-    fused!(fused_q4_k, crate::quant::avx512::q4_k, 8);
-    fused!(fused_q6_k, crate::quant::avx512::q6_k, 8);
+    use crate::quant::avx512 as q;
+    // Prefetch hints: into L1 (T0) for the types whose decoding is the
+    // bound; Q8_0, the fewest instructions per byte, streams fastest when
+    // its prefetches stop at L2 (T1): Gemma 3's 262144 x 640 output
+    // product from the file map ~10 -> ~7.3 ms, while T1 made the 4-bit
+    // types ~10% slower (docs/benchmarks.md).
+    use _MM_HINT_T0 as L1;
+    use _MM_HINT_T1 as L2;
+    fused!(fused_q4_0, q::q4_0_block, q::q4_0, 18, L1, [0]);
+    fused!(fused_q4_1, q::q4_1_block, q::q4_1, 20, L1, [0]);
+    fused!(fused_q5_0, q::q5_0_block, q::q5_0, 22, L1, [0]);
+    fused!(fused_q8_0, q::q8_0_block, q::q8_0, 34, L2, [0]);
+    fused!(
+        fused_q4_k,
+        q::q4_k_block,
+        q::q4_k,
+        144,
+        L1,
+        [0, 1, 2, 3, 4, 5, 6, 7]
+    );
+    fused!(
+        fused_q6_k,
+        q::q6_k_block,
+        q::q6_k,
+        210,
+        L1,
+        [0, 1, 2, 3, 4, 5, 6, 7]
+    );
 
     /// The lane tree: `s8 = lanes 0..8 + lanes 8..16`, then halves again.
     #[inline]
