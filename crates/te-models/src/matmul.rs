@@ -672,6 +672,14 @@ mod avx512 {
 
     use super::MR;
 
+    /// How many register tiles ahead the register-decoded kernels prefetch
+    /// weights, into L2 (`_MM_HINT_T1`). Measured on Gemma 3's 262144 x 640
+    /// Q8_0 output product read from a file map: one tile ahead into L1
+    /// (T0) ~10 ms, one tile into L2 ~7.3 ms, 2-4 tiles into L2 ~5.3 ms
+    /// (prefetches into L1 queue behind its few miss buffers); the 4-bit
+    /// types, bound by decoding, are unchanged.
+    const PREFETCH_TILES: usize = 4;
+
     /// Columns `c0..c1` of a tile's products (`c0` a multiple of 16; the
     /// last group masked when `c1 == k` is not), continuing the 16-lane
     /// accumulators saved at `state[(m · NR + r) · 16 ..][..16]` (zeros
@@ -751,7 +759,7 @@ mod avx512 {
     /// same lanes as decoding a panel first, without storing it (decode,
     /// `t` small).
     macro_rules! fused {
-        ($name:ident, $block:path, $group:path, $bytes:literal, $hint:ident, [$($sub:literal),+]) => {
+        ($name:ident, $block:path, $group:path, $bytes:literal, [$($sub:literal),+]) => {
             /// # Safety
             /// The CPU must support AVX-512F, AVX2, F16C and FMA; every `x`
             /// pointer must start `k` readable floats; each `w` row holds
@@ -770,15 +778,18 @@ mod avx512 {
                 for blk in 0..k / (32 * GROUPS) {
                     for m in 0..MR {
                         let b = &w[m][$bytes * blk..$bytes * (blk + 1)];
-                        // The same block of the row MR rows on (the next
-                        // tile's, usually adjacent in memory): the hardware
-                        // prefetcher alone loses the short rows at every
-                        // 4 KiB page of a file map. A prefetch never
-                        // faults, so a pointer past the weights is harmless.
-                        let ahead = b.as_ptr().wrapping_add(MR * w[m].len());
+                        // The same block of the row PREFETCH_TILES tiles
+                        // on (rows of one task are adjacent in memory), into
+                        // L2: the hardware prefetcher alone loses the short
+                        // rows at every 4 KiB page of a file map. A prefetch
+                        // never faults, so a pointer past the weights is
+                        // harmless.
+                        let ahead = b
+                            .as_ptr()
+                            .wrapping_add(PREFETCH_TILES * MR * w[m].len());
                         let mut line = 0;
                         while line < $bytes {
-                            _mm_prefetch::<$hint>(ahead.wrapping_add(line).cast());
+                            _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(line).cast());
                             line += 64;
                         }
                         let shared = $block(b);
@@ -812,23 +823,15 @@ mod avx512 {
         };
     }
     use crate::quant::avx512 as q;
-    // Prefetch hints: into L1 (T0) for the types whose decoding is the
-    // bound; Q8_0, the fewest instructions per byte, streams fastest when
-    // its prefetches stop at L2 (T1): Gemma 3's 262144 x 640 output
-    // product from the file map ~10 -> ~7.3 ms, while T1 made the 4-bit
-    // types ~10% slower (docs/benchmarks.md).
-    use _MM_HINT_T0 as L1;
-    use _MM_HINT_T1 as L2;
-    fused!(fused_q4_0, q::q4_0_block, q::q4_0, 18, L1, [0]);
-    fused!(fused_q4_1, q::q4_1_block, q::q4_1, 20, L1, [0]);
-    fused!(fused_q5_0, q::q5_0_block, q::q5_0, 22, L1, [0]);
-    fused!(fused_q8_0, q::q8_0_block, q::q8_0, 34, L2, [0]);
+    fused!(fused_q4_0, q::q4_0_block, q::q4_0, 18, [0]);
+    fused!(fused_q4_1, q::q4_1_block, q::q4_1, 20, [0]);
+    fused!(fused_q5_0, q::q5_0_block, q::q5_0, 22, [0]);
+    fused!(fused_q8_0, q::q8_0_block, q::q8_0, 34, [0]);
     fused!(
         fused_q4_k,
         q::q4_k_block,
         q::q4_k,
         144,
-        L1,
         [0, 1, 2, 3, 4, 5, 6, 7]
     );
     fused!(
@@ -836,7 +839,6 @@ mod avx512 {
         q::q6_k_block,
         q::q6_k,
         210,
-        L1,
         [0, 1, 2, 3, 4, 5, 6, 7]
     );
 
