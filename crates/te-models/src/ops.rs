@@ -34,6 +34,47 @@ impl WeightBytes {
         );
         WeightBytes(BytesRepr::Mapped { map, range })
     }
+
+    /// `map[range]` copied into anonymous memory that asks for 2 MiB pages
+    /// (Linux `MADV_HUGEPAGE`; elsewhere, or where the kernel grants none,
+    /// plain pages), for a matrix read in full for every token (the output
+    /// projection), whose 4 KiB file-map pages cost a TLB miss each. The
+    /// copy goes 2 MiB at a time and each copied part of the map is then
+    /// dropped from this process (`MADV_DONTNEED`; the file's pages stay in
+    /// the page cache), so resident memory does not grow by the copy.
+    ///
+    /// Errors: the anonymous map cannot be made (out of memory).
+    pub fn copied_to_huge_pages(
+        map: &std::sync::Arc<memmap2::Mmap>,
+        range: std::ops::Range<usize>,
+    ) -> std::io::Result<Self> {
+        const CHUNK: usize = 2 << 20;
+        let mut copy = memmap2::MmapOptions::new()
+            .len(range.len().max(1))
+            .map_anon()?;
+        #[cfg(target_os = "linux")]
+        {
+            // Only a request: a kernel that grants no huge pages leaves 4 KiB ones.
+            let _ = copy.advise(memmap2::Advice::HugePage);
+        }
+        for (i, dst) in copy[..range.len()].chunks_mut(CHUNK).enumerate() {
+            let at = range.start + i * CHUNK;
+            dst.copy_from_slice(&map[at..at + dst.len()]);
+            #[cfg(unix)]
+            // SAFETY: the map is a read-only, shared map of a file nobody
+            // writes while it is mapped: dropping its pages (those of this
+            // part, rounded out to whole pages) only makes the next read of
+            // them fault the same bytes in again from the page cache.
+            let _ = unsafe {
+                map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, at, dst.len())
+            };
+        }
+        let len = range.len();
+        Ok(WeightBytes(BytesRepr::Mapped {
+            map: std::sync::Arc::new(copy.make_read_only()?),
+            range: 0..len,
+        }))
+    }
 }
 
 impl From<Vec<u8>> for WeightBytes {
@@ -344,5 +385,31 @@ mod activation_tests {
             }
             x += 0.0173;
         }
+    }
+}
+
+#[cfg(test)]
+mod weight_bytes_tests {
+    use super::WeightBytes;
+
+    /// A copy into huge-page memory holds exactly the mapped range (one
+    /// that starts and ends inside pages and spans several 2 MiB parts),
+    /// and the file map still reads the file's bytes after the copied
+    /// parts were dropped from it.
+    #[test]
+    fn huge_page_copy_equals_the_file() {
+        let path = std::env::temp_dir().join(format!("te-huge-copy-{}", std::process::id()));
+        let bytes: Vec<u8> = (0..5_000_123u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        std::fs::write(&path, &bytes).expect("write");
+        let file = std::fs::File::open(&path).expect("open");
+        // SAFETY: this test's own file, not changed while mapped.
+        let map = std::sync::Arc::new(unsafe { memmap2::Mmap::map(&file) }.expect("map"));
+        let range = 1001..4_900_017;
+        let copy = WeightBytes::copied_to_huge_pages(&map, range.clone()).expect("copy");
+        assert_eq!(&copy[..], &bytes[range]);
+        assert!(map[..] == bytes[..], "the map changed after its pages were dropped");
+        std::fs::remove_file(&path).expect("remove");
     }
 }
