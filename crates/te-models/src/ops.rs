@@ -409,7 +409,10 @@ mod weight_bytes_tests {
         let range = 1001..4_900_017;
         let copy = WeightBytes::copied_to_huge_pages(&map, range.clone()).expect("copy");
         assert_eq!(&copy[..], &bytes[range]);
-        assert!(map[..] == bytes[..], "the map changed after its pages were dropped");
+        assert!(
+            map[..] == bytes[..],
+            "the map changed after its pages were dropped"
+        );
         std::fs::remove_file(&path).expect("remove");
     }
 }
