@@ -4,8 +4,8 @@
 //! Decode (`t` = 1): bytes of weights read per second against the read
 //! bandwidth of a parallel sum over a buffer of the same size, measured in
 //! the same run. The weights (~64 MiB, and a 178 MB row read from a file
-//! map as a model's are) are larger than the last-level cache, as a whole
-//! model's are in decode.
+//! map as a model's layers are) are larger than the last-level cache, as
+//! a whole model's are in decode.
 //!
 //! Several rows (`t` = 32, 128, 512): GFLOP/s against the path this
 //! kernel replaced, measured in the same run: the weight dequantized to
@@ -75,8 +75,10 @@ fn read_bandwidth(x: &[f32]) -> f64 {
 }
 
 /// Markdown rows of the decode (bandwidth) table, header included: each
-/// type at `k` = 2048 from the heap, then Gemma 3's output product (Q8_0
-/// `[262144, 640]`, 178 MB) read from a file map, as a model's weights are.
+/// type at `k` = 2048 from the heap, then Gemma 3's output shape (Q8_0
+/// `[262144, 640]`, 178 MB) read from a file map, as a model's layer
+/// weights are read (the output projection itself is copied into 2 MiB
+/// pages at load, `te_models::gguf::GgufFile::tensor_weight_bytes`).
 pub fn decode_rows() -> anyhow::Result<Vec<String>> {
     let mut rows = vec![
         "| weights | shape | bytes | t | ms | weights GB/s | read GB/s | % of read |".to_string(),
@@ -93,11 +95,12 @@ pub fn decode_rows() -> anyhow::Result<Vec<String>> {
     let (ty, n, k) = (GgmlType::Q8_0, 262144, 640);
     let path = std::env::temp_dir().join(format!("te-bench-q8_0-{}.bin", std::process::id()));
     std::fs::write(&path, weights(ty, &[0], n, k))?;
-    let file = std::fs::File::open(&path)?;
-    // SAFETY: the file is this process's own and is not changed while
-    // mapped (it is unlinked at once; the map keeps its pages).
-    let map = unsafe { memmap2::Mmap::map(&file)? };
+    let file = std::fs::File::open(&path);
+    // Unlinked at once (the open file keeps its bytes), whatever follows.
     std::fs::remove_file(&path)?;
+    // SAFETY: the file is this process's own, unlinked, and not changed
+    // while mapped.
+    let map = unsafe { memmap2::Mmap::map(&file?)? };
     let len = map.len();
     let data = WeightBytes::mapped(std::sync::Arc::new(map), 0..len);
     rows.push(decode_row("Q8_0 (file map)", ty, data, n, k)?);

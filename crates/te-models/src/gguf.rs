@@ -461,20 +461,24 @@ impl GgufFile {
     /// The output projection (`output.weight`, or `token_embd.weight` when
     /// there is none: tied), read in full for every generated token, is
     /// the exception when it is at least 64 MiB: it is copied into memory
-    /// that asks for 2 MiB pages
-    /// ([`WeightBytes::copied_to_huge_pages`](crate::ops::WeightBytes::copied_to_huge_pages);
-    /// resident memory unchanged), as 4 KiB pages cost a TLB miss each.
+    /// that asks for 2 MiB pages (the file map's copied pages dropped as it
+    /// goes: resident memory unchanged), as 4 KiB pages cost a TLB miss
+    /// each.
     pub fn tensor_weight_bytes(&self, info: &TensorInfo) -> Result<crate::ops::WeightBytes> {
         let n = self.tensor_bytes(info)?.len();
         let start = (self.data_start + info.offset) as usize;
         let output = info.name == "output.weight"
             || (info.name == "token_embd.weight" && self.tensor_info("output.weight").is_none());
         if output && n >= 64 << 20 {
-            return crate::ops::WeightBytes::copied_to_huge_pages(&self.mmap, start..start + n)
-                .map_err(|e| ModelError::Tensor {
-                    tensor: info.name.clone(),
-                    reason: format!("cannot copy {n} bytes into memory: {e}"),
-                });
+            // SAFETY: `self.mmap` is a shared read-only map of the model
+            // file (`Mmap::map` in `open`), which te-rs never writes.
+            return unsafe {
+                crate::ops::WeightBytes::copied_to_huge_pages(&self.mmap, start..start + n)
+            }
+            .map_err(|e| ModelError::Tensor {
+                tensor: info.name.clone(),
+                reason: format!("cannot copy {n} bytes into memory: {e}"),
+            });
         }
         Ok(crate::ops::WeightBytes::mapped(
             Arc::clone(&self.mmap),

@@ -44,7 +44,14 @@ impl WeightBytes {
     /// the page cache), so resident memory does not grow by the copy.
     ///
     /// Errors: the anonymous map cannot be made (out of memory).
-    pub fn copied_to_huge_pages(
+    ///
+    /// # Safety
+    /// `map` must be a shared, read-only map of a file that nobody writes
+    /// while it is mapped (as [`crate::gguf::GgufFile`]'s): dropping its
+    /// pages, which the kernel rounds out to whole pages, must leave every
+    /// byte reading the same. (On an anonymous or private map it would
+    /// zero them under other readers.)
+    pub(crate) unsafe fn copied_to_huge_pages(
         map: &std::sync::Arc<memmap2::Mmap>,
         range: std::ops::Range<usize>,
     ) -> std::io::Result<Self> {
@@ -62,9 +69,10 @@ impl WeightBytes {
             dst.copy_from_slice(&map[at..at + dst.len()]);
             #[cfg(unix)]
             // SAFETY: the map is a read-only, shared map of a file nobody
-            // writes while it is mapped: dropping its pages (those of this
-            // part, rounded out to whole pages) only makes the next read of
-            // them fault the same bytes in again from the page cache.
+            // writes while it is mapped (the caller's promise): dropping its
+            // pages (those of this part, rounded out to whole pages: the
+            // next part's first bytes too) only makes the next read of them
+            // fault the same bytes in again from the page cache.
             let _ = unsafe {
                 map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, at, dst.len())
             };
@@ -407,7 +415,8 @@ mod weight_bytes_tests {
         // SAFETY: this test's own file, not changed while mapped.
         let map = std::sync::Arc::new(unsafe { memmap2::Mmap::map(&file) }.expect("map"));
         let range = 1001..4_900_017;
-        let copy = WeightBytes::copied_to_huge_pages(&map, range.clone()).expect("copy");
+        // SAFETY: a shared read-only map of this test's own file.
+        let copy = unsafe { WeightBytes::copied_to_huge_pages(&map, range.clone()) }.expect("copy");
         assert_eq!(&copy[..], &bytes[range]);
         assert!(
             map[..] == bytes[..],

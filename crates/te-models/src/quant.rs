@@ -237,8 +237,9 @@ pub fn dequantize(
 ///
 /// On x86_64 CPUs with AVX-512F, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K run
 /// with 16-lane decoders; with AVX2 and F16C, those and Q5_1 run with
-/// 8-lane ones. The values are bit-identical to the scalar decoders (same
-/// f32 operations in the same order, no fused multiply-add).
+/// 8-lane ones. The values are bit-identical to the scalar decoders (the
+/// same f32 operations, or a fused multiply-add where the product is exact
+/// in f32, which rounds the same).
 #[inline]
 pub fn dequantize_blocks(ty: GgmlType, data: &[u8], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
