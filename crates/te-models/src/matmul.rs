@@ -1077,6 +1077,32 @@ mod tests {
         y
     }
 
+    /// `(Σ x·w, Σ |x·w|)` in float64: the reference a row's output must be
+    /// within rounding of.
+    fn f64_dot(x: &[f32], w: &[f32]) -> (f64, f64) {
+        x.iter().zip(w).fold((0.0, 0.0), |(s, m), (&a, &b)| {
+            let p = a as f64 * b as f64;
+            (s + p, m + p.abs())
+        })
+    }
+
+    /// Row `p`'s outputs when `row` is row `p` of a batch of `t` (the other
+    /// rows random): `[n]` of the product's `[t, n]`.
+    fn row_in_batch(
+        isa: Isa,
+        row: &[f32],
+        t: usize,
+        p: usize,
+        w: Weights<'_>,
+        n: usize,
+        k: usize,
+        rng: &mut StdRng,
+    ) -> Vec<f32> {
+        let mut x: Vec<f32> = (0..t * k).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        x[p * k..(p + 1) * k].copy_from_slice(row);
+        run(isa, &x, t, w, n, k)[p * n..(p + 1) * n].to_vec()
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(12))]
 
@@ -1106,10 +1132,7 @@ mod tests {
             let want = run(Isa::Portable, &row, 1, weights[0], n, k);
             // Float64 reference of the dequantized weights.
             for (j, &g) in want.iter().enumerate() {
-                let (exact, mag) = row.iter().zip(&wf[j * k..(j + 1) * k]).fold(
-                    (0.0f64, 0.0f64),
-                    |(s, m), (&a, &b)| (s + a as f64 * b as f64, m + (a as f64 * b as f64).abs()),
-                );
+                let (exact, mag) = f64_dot(&row, &wf[j * k..(j + 1) * k]);
                 prop_assert!(
                     (g as f64 - exact).abs() <= 1e-6 * mag + 1e-30,
                     "{:?} column {}: {} vs f64 {}", ty, j, g, exact
@@ -1120,11 +1143,8 @@ mod tests {
                     for t in [1usize, 2, 5, 7, 8, 33, 100, 512] {
                         let at = [0, t / 2, t - 1, rng.gen_range(0..t)];
                         for p in at {
-                            let mut x: Vec<f32> =
-                                (0..t * k).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
-                            x[p * k..(p + 1) * k].copy_from_slice(&row);
-                            let y = run(isa, &x, t, w, n, k);
-                            for (j, (&g, &e)) in y[p * n..(p + 1) * n].iter().zip(&want).enumerate() {
+                            let y = row_in_batch(isa, &row, t, p, w, n, k, &mut rng);
+                            for (j, (&g, &e)) in y.iter().zip(&want).enumerate() {
                                 prop_assert_eq!(
                                     g.to_bits(), e.to_bits(),
                                     "{:?} {:?} t {} row {} column {}: {} vs {}", isa, ty, t, p, j, g, e
@@ -1161,12 +1181,7 @@ mod tests {
             let row: Vec<f32> = (0..k).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
             let want = run(Isa::Portable, &row, 1, w, n, k);
             for (j, &g) in want.iter().enumerate() {
-                let (exact, mag) = row
-                    .iter()
-                    .zip(&wf[j * k..(j + 1) * k])
-                    .fold((0.0f64, 0.0f64), |(s, m), (&a, &b)| {
-                        (s + a as f64 * b as f64, m + (a as f64 * b as f64).abs())
-                    });
+                let (exact, mag) = f64_dot(&row, &wf[j * k..(j + 1) * k]);
                 assert!(
                     (g as f64 - exact).abs() <= 1e-6 * mag + 1e-30,
                     "{ty:?} column {j}: {g} vs f64 {exact}"
@@ -1175,11 +1190,8 @@ mod tests {
             for isa in Isa::available() {
                 for t in [1usize, 7, 50] {
                     for p in [0, t / 2, t - 1] {
-                        let mut x: Vec<f32> =
-                            (0..t * k).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
-                        x[p * k..(p + 1) * k].copy_from_slice(&row);
-                        let y = run(isa, &x, t, w, n, k);
-                        for (j, (&g, &e)) in y[p * n..(p + 1) * n].iter().zip(&want).enumerate() {
+                        let y = row_in_batch(isa, &row, t, p, w, n, k, &mut rng);
+                        for (j, (&g, &e)) in y.iter().zip(&want).enumerate() {
                             assert_eq!(
                                 g.to_bits(),
                                 e.to_bits(),

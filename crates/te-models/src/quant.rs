@@ -920,6 +920,19 @@ pub(crate) mod avx512 {
         _mm512_permutexvar_ps(q, table)
     }
 
+    /// The 32 nibbles of the 16 bytes at `b[at..]` through `table`: low
+    /// nibbles (elements 0..16), then high nibbles (elements 16..32), the
+    /// layout of Q4_0 and Q4_1.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    fn nibbles16(b: &[u8], at: usize, table: &__m512) -> [__m512; 2] {
+        let q = u8x16(b, at);
+        [
+            lookup16(q, *table),
+            lookup16(_mm512_srli_epi32::<4>(q), *table),
+        ]
+    }
+
     // Decoders, two per type: `*_block(b)` computes what the block `b`
     // (its bytes) shares, once per block; `f(b, sub, &shared)` is elements
     // 32·sub .. 32·sub + 32 of the block, as [elements 0..16, elements
@@ -941,11 +954,7 @@ pub(crate) mod avx512 {
     #[inline]
     #[target_feature(enable = "avx512f,avx2,f16c")]
     pub(crate) fn q4_0(b: &[u8], _sub: usize, table: &__m512) -> [__m512; 2] {
-        let q = u8x16(b, 2);
-        [
-            lookup16(q, *table),
-            lookup16(_mm512_srli_epi32::<4>(q), *table),
-        ]
+        nibbles16(b, 2, table)
     }
 
     /// Q4_1's table: d·q + m for q < 16 (d·q is exact in f32, 11 × 4 bits,
@@ -962,11 +971,7 @@ pub(crate) mod avx512 {
     #[inline]
     #[target_feature(enable = "avx512f,avx2,f16c")]
     pub(crate) fn q4_1(b: &[u8], _sub: usize, table: &__m512) -> [__m512; 2] {
-        let q = u8x16(b, 4);
-        [
-            lookup16(q, *table),
-            lookup16(_mm512_srli_epi32::<4>(q), *table),
-        ]
+        nibbles16(b, 4, table)
     }
 
     /// Q5_0's tables: d·(q − 16) for q < 16 and for 16 <= q < 32.
