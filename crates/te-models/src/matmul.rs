@@ -150,6 +150,14 @@ unsafe impl Send for Out {}
 unsafe impl Sync for Out {}
 
 impl Out {
+    /// `(pointer to y[i, j], row stride n)`, for a kernel that stores a
+    /// tile of outputs itself (`i < t`, `j < n`; the same rules as
+    /// [`Out::set`] for what it may write).
+    #[cfg(target_arch = "x86_64")]
+    fn at(self, i: usize, j: usize) -> (*mut f32, usize) {
+        (self.ptr.wrapping_add(i * self.n + j), self.n)
+    }
+
     /// `y[i, j] = v`.
     ///
     /// # Safety
@@ -518,14 +526,20 @@ fn panel_product_avx512(
                     });
                     let slot = ((i0 - b0) / NR * tiles_m + m0 / MR) * MR * NR * 16;
                     let st = state[slot..slot + MR * NR * 16].as_mut_ptr();
+                    // After the last block: y[i0 .., j0 + m0 ..], mr columns.
+                    let last = (c1 == k).then(|| (y.at(i0, j0 + m0), mr));
                     macro_rules! go {
                         ($nr:literal) => {{
                             let xp: [*const f32; $nr] =
                                 std::array::from_fn(|r| x[(i0 + r) * k..].as_ptr());
                             // SAFETY: the CPU has AVX-512F (Isa::Avx512);
                             // every x and w pointer starts k readable floats
-                            // (asserted above); `st` has MR * NR * 16 floats.
-                            unsafe { avx512::tile_block::<$nr>(&xp, &wp, c0, c1, k, st, c0 == 0) }
+                            // (asserted above); `st` has MR * NR * 16 floats;
+                            // rows i0 .. i0 + nr < t and columns j0 + m0 ..
+                            // j0 + m0 + mr of y are this task's.
+                            unsafe {
+                                avx512::tile_block::<$nr>(&xp, &wp, c0, c1, k, st, c0 == 0, last)
+                            }
                         }};
                     }
                     match nr {
@@ -536,18 +550,6 @@ fn panel_product_avx512(
                         5 => go!(5),
                         6 => go!(6),
                         _ => unreachable!("at most 6 token rows per tile"),
-                    }
-                    if c1 == k {
-                        for m in 0..mr {
-                            for r in 0..nr {
-                                let lanes: &[f32; 16] = state[slot + (m * nr + r) * 16..][..16]
-                                    .try_into()
-                                    .expect("16 lanes");
-                                // SAFETY: i0 + r < t; column j0 + m0 + m
-                                // is this task's.
-                                unsafe { y.set(i0 + r, j0 + m0 + m, reduce16(lanes)) };
-                            }
-                        }
                     }
                 }
             }
@@ -689,11 +691,15 @@ mod avx512 {
     /// Columns `c0..c1` of a tile's products (`c0` a multiple of 16; the
     /// last group masked when `c1 == k` is not), continuing the 16-lane
     /// accumulators saved at `state[(m · NR + r) · 16 ..][..16]` (zeros
-    /// when `first`) and saving them back there.
+    /// when `first`). Then, with `last = Some(((y, n), mr))`, the lane
+    /// tree of each accumulator goes to `y[r · n + m]` for `m < mr` (the
+    /// tile's rows past `mr` are dropped); otherwise the accumulators are
+    /// saved back to `state`.
     ///
     /// # Safety
     /// The CPU must support AVX-512F; every pointer must start `k`
-    /// readable floats; `state` must hold `MR · NR · 16` floats.
+    /// readable floats; `state` must hold `MR · NR · 16` floats; with
+    /// `last`, `y[r · n .. r · n + mr]` must be writable for `r < NR`.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn tile_block<const NR: usize>(
@@ -704,6 +710,7 @@ mod avx512 {
         k: usize,
         state: *mut f32,
         first: bool,
+        last: Option<((*mut f32, usize), usize)>,
     ) {
         let mut acc = [[_mm512_setzero_ps(); NR]; MR];
         if !first {
@@ -750,12 +757,52 @@ mod avx512 {
                 }
             }
         }
+        if let Some(((y, n), mr)) = last {
+            let mask: __mmask16 = (1u16 << mr) - 1;
+            for r in 0..NR {
+                let s = reduce4([acc[0][r], acc[1][r], acc[2][r], acc[3][r]]);
+                // SAFETY: lanes m < mr of y[r · n ..], writable as the
+                // caller guarantees (the masked lanes are not accessed).
+                unsafe { _mm512_mask_storeu_ps(y.add(r * n), mask, s) };
+            }
+            return;
+        }
         for m in 0..MR {
             for r in 0..NR {
                 // SAFETY: inside the MR · NR · 16 floats of `state`.
                 unsafe { _mm512_storeu_ps(state.add((m * NR + r) * 16), acc[m][r]) };
             }
         }
+    }
+
+    /// The lane tree of four accumulators at once: lane `m` of the result
+    /// (`m < 4`) is [`reduce`]`(a[m])`, the same additions in the same
+    /// order (lanes 4..16 are left over). 128-bit block `b` of a register
+    /// is lanes `4b .. 4b + 4`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn reduce4(a: [__m512; 4]) -> __m512 {
+        // s8 = lanes 0..8 + lanes 8..16, i.e. blocks (0, 1) + (2, 3):
+        // [s8(a0), s8(a1)] and [s8(a2), s8(a3)].
+        let s8_01 = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(a[0], a[1]),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(a[0], a[1]),
+        );
+        let s8_23 = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(a[2], a[3]),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(a[2], a[3]),
+        );
+        // s4 = s8 lanes 0..4 + lanes 4..8: block m is s4(a_m).
+        let s4 = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(s8_01, s8_23),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(s8_01, s8_23),
+        );
+        // s2 = s4 lanes 0..2 + lanes 2..4, then y = s2[0] + s2[1], in
+        // each block; y(a_m) ends in lane 4m.
+        let s2 = _mm512_add_ps(s4, _mm512_shuffle_ps::<0b11_10_11_10>(s4, s4));
+        let y = _mm512_add_ps(s2, _mm512_shuffle_ps::<0b01_01_01_01>(s2, s2));
+        let lanes = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+        _mm512_permutexvar_ps(lanes, y)
     }
 
     /// A kernel like [`tile`] for weight rows in GGUF blocks, decoded in
