@@ -16,12 +16,10 @@
 use te_attention::AttentionWorkspace;
 use te_kernels::rope::{apply_rope_cpu, RopeArgs, RopeTable};
 
+use crate::activation::gated_act_inplace;
 use crate::config::Activation;
-use crate::ops::{
-    add_inplace, gelu_tanh, rms_norm_inplace, rms_norm_into, silu, Linear, SERIAL_MAX,
-};
+use crate::ops::{add_inplace, rms_norm_inplace, rms_norm_into, Linear};
 use crate::{ModelError, Result};
-use rayon::prelude::*;
 
 /// The ops of one device. Every buffer argument holds f32 values in the
 /// shape the op names; an op's output buffer has been sized with
@@ -161,16 +159,7 @@ impl DeviceOps for Cpu {
     }
 
     fn gated_act(&mut self, act: Activation, g: &mut Vec<f32>, u: &Vec<f32>) -> Result<()> {
-        let act = match act {
-            Activation::Silu => silu,
-            Activation::GeluTanh => gelu_tanh,
-        };
-        let gate = |(g, u): (&mut f32, &f32)| *g = act(*g) * u;
-        if g.len() <= SERIAL_MAX {
-            g.iter_mut().zip(&**u).for_each(gate);
-        } else {
-            g.par_iter_mut().zip(&**u).for_each(gate);
-        }
+        gated_act_inplace(act, g, u);
         Ok(())
     }
 

@@ -18,6 +18,7 @@
 //! file map) and are decoded inside the matrix kernels ([`ops::Linear`]),
 //! other weights are f32; errors name the file, tensor or field at fault.
 
+pub mod activation;
 pub mod chat;
 pub mod config;
 pub mod context_parallel;

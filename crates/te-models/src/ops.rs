@@ -1,7 +1,7 @@
 //! Dense CPU ops of the model forward that are not attention, RoPE or the
 //! KV cache: linear layers (over f32 or GGUF-quantized weights, through
-//! the one blocked kernel of [`crate::matmul`]), RMSNorm and the gated
-//! activations. All f32, row-major.
+//! the one blocked kernel of [`crate::matmul`]) and RMSNorm (the gated
+//! activations are [`crate::activation`]'s). All f32, row-major.
 
 use rayon::prelude::*;
 
@@ -338,61 +338,10 @@ pub fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
     }
 }
 
-/// SiLU: `x * sigmoid(x)`.
-#[inline]
-pub fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
-
-/// GELU, tanh approximation: `0.5 x (1 + tanh(u))`, `u = sqrt(2/π) (x +
-/// 0.044715 x³)` (Hendrycks & Gimpel 2016; Gemma's `gelu_pytorch_tanh`),
-/// computed as the identical `x / (1 + exp(-2u))` (`1 + tanh(u) = 2 /
-/// (1 + exp(-2u))`): one `exp` instead of `tanh`, which costs two libm
-/// calls. Large negative `u` gives `exp` = inf and the correct 0.
-#[inline]
-pub fn gelu_tanh(x: f32) -> f32 {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    let u = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
-    x / (1.0 + (-2.0 * u).exp())
-}
-
 /// `x = x + y`, elementwise.
 pub fn add_inplace(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {
         *a += b;
-    }
-}
-
-#[cfg(test)]
-mod activation_tests {
-    use super::*;
-
-    /// GELU-tanh and SiLU against their float64 formulas, over the range
-    /// activations take and beyond. In the negative tails the result is
-    /// `x e^(-a)` with `a` (`2u`, or `x`) computed in f32, so the relative
-    /// error grows as `|a| ε`; the float64 tanh form itself rounds values
-    /// below ~1e-17 to 0, hence the small absolute slack.
-    #[test]
-    fn activations_match_f64() {
-        let mut x = -60.0f32;
-        while x <= 60.0 {
-            let xd = x as f64;
-            let u = (2.0 / std::f64::consts::PI).sqrt() * (xd + 0.044715 * xd * xd * xd);
-            let gelu = 0.5 * xd * (1.0 + u.tanh());
-            let silu_want = xd / (1.0 + (-xd).exp());
-            for (got, want, a, name) in [
-                (gelu_tanh(x), gelu, 2.0 * u, "gelu"),
-                (silu(x), silu_want, xd, "silu"),
-            ] {
-                let got = got as f64;
-                let tol = 1e-6 * (1.0 + a.abs()) * want.abs() + 1e-15;
-                assert!(
-                    (got - want).abs() <= tol,
-                    "{name}({x}) = {got}, want {want}"
-                );
-            }
-            x += 0.0173;
-        }
     }
 }
 
