@@ -515,8 +515,12 @@ fn panel_product_avx512(
         let bt = STATE_ROWS.min(t - b0);
         for c0 in (0..k).step_by(KC) {
             let c1 = (c0 + KC).min(k);
-            for i0 in (b0..b0 + bt).step_by(NR) {
-                let nr = NR.min(b0 + bt - i0);
+            // The block's rows in as few tiles as fit, of even sizes
+            // (32 rows: 6, 6, 5, 5, 5, 5, not five of 6 and one of 2).
+            let tiles_i = bt.div_ceil(NR);
+            for ti in 0..tiles_i {
+                let i0 = b0 + ti * bt / tiles_i;
+                let nr = b0 + (ti + 1) * bt / tiles_i - i0;
                 for m0 in (0..rows).step_by(MR) {
                     let mr = MR.min(rows - m0);
                     // Tile rows past the edge repeat the first one
@@ -524,7 +528,7 @@ fn panel_product_avx512(
                     let wp: [*const f32; MR] = std::array::from_fn(|m| {
                         w[(m0 + if m < mr { m } else { 0 }) * k..].as_ptr()
                     });
-                    let slot = ((i0 - b0) / NR * tiles_m + m0 / MR) * MR * NR * 16;
+                    let slot = (ti * tiles_m + m0 / MR) * MR * NR * 16;
                     let st = state[slot..slot + MR * NR * 16].as_mut_ptr();
                     // After the last block: y[i0 .., j0 + m0 ..], mr columns.
                     let last = (c1 == k).then(|| (y.at(i0, j0 + m0), mr));
