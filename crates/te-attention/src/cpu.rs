@@ -31,7 +31,7 @@ use crate::attention::{AttnMetadata, DotProductAttention, KvInput, Plan};
 use crate::merge::merge_row;
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{Avx2, Avx512};
-use crate::simd::{Portable, Simd};
+use crate::simd::{prefetch, Portable, Simd};
 use crate::tile_math::{exp, gemm};
 
 /// Target rows (query x head) per work unit.
@@ -51,6 +51,12 @@ const MIN_SPLIT_KEYS: i64 = 512;
 /// Score columns of the tiled path are padded to a multiple of this (a
 /// multiple of every instruction set's `NR`).
 const COL_PAD: usize = 32;
+
+/// How many keys ahead the direct (decode) path prefetches K and V rows:
+/// each key's rows are a few hundred bytes of work, so without it every
+/// key waits on memory (batched decode reads every sequence's cache once
+/// per layer).
+const PREFETCH_KEYS: usize = 8;
 /// Forwards with fewer multiply-adds than this run on the calling thread
 /// (rayon's wake-up costs more than the work).
 const SERIAL_MACS: usize = 1 << 18;
@@ -288,6 +294,9 @@ impl<T: Element> Ctx<'_, T> {
             if direct {
                 let q = &s.q;
                 for jj in 0..bc {
+                    if let Some(&ko) = s.k_off.get(jj + PREFETCH_KEYS) {
+                        prefetch(&k_all[ko + u.g0 * dqk..][..(u.g1 - u.g0) * dqk]);
+                    }
                     let s_row = &mut s.s[jj * mp..][..mp];
                     for g in u.g0..u.g1 {
                         let k_row = &k_all[s.k_off[jj] + g * dqk..][..dqk];
@@ -304,10 +313,19 @@ impl<T: Element> Ctx<'_, T> {
                             s_row[r..r + 4].copy_from_slice(&d);
                             r += 4;
                         }
-                        while r < rows.end {
-                            // SAFETY: guaranteed by this function's caller.
-                            s_row[r] = unsafe { S::dots::<T, 1>([&q[r * dqk..][..dqk]], k_row)[0] };
-                            r += 1;
+                        // The last 1-3 rows in one call (each row's sum is
+                        // the same whatever the call's row count).
+                        let qr = |x: usize| &q[(r + x) * dqk..][..dqk];
+                        // SAFETY (each arm): guaranteed by this function's caller.
+                        match rows.end - r {
+                            0 => {}
+                            1 => s_row[r] = unsafe { S::dots::<T, 1>([qr(0)], k_row)[0] },
+                            2 => s_row[r..r + 2]
+                                .copy_from_slice(&unsafe { S::dots::<T, 2>([qr(0), qr(1)], k_row) }),
+                            3 => s_row[r..r + 3].copy_from_slice(&unsafe {
+                                S::dots::<T, 3>([qr(0), qr(1), qr(2)], k_row)
+                            }),
+                            _ => unreachable!("fewer than 4 rows left"),
                         }
                     }
                 }
@@ -399,6 +417,9 @@ impl<T: Element> Ctx<'_, T> {
             if direct {
                 // Key by key, every head: the V rows in memory order.
                 for (jj, &vo) in v_off.iter().enumerate() {
+                    if let Some(&ahead) = v_off.get(jj + PREFETCH_KEYS) {
+                        prefetch(&v_all[ahead + u.g0 * dv..][..(u.g1 - u.g0) * dv]);
+                    }
                     for g in u.g0..u.g1 {
                         let rows = (g - u.g0) * rph..(g - u.g0 + 1) * rph;
                         // SAFETY: guaranteed by this function's caller.

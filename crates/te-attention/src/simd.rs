@@ -13,6 +13,23 @@ use te_kernels::Element;
 
 use crate::tile_math;
 
+/// Hints every cache line of `row` into L1 (x86-64; nothing elsewhere).
+/// Results never depend on it.
+#[inline(always)]
+pub(crate) fn prefetch<T>(row: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let p = row.as_ptr().cast::<i8>();
+        for line in (0..std::mem::size_of_val(row)).step_by(64) {
+            // SAFETY: a prefetch never faults; the address is inside `row`.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(line)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = row;
+}
+
 /// Vector primitives of one instruction set.
 pub(crate) trait Simd {
     /// `[q_r · k for r < R]`; each `q_r` has at least `k.len()` elements.
