@@ -57,6 +57,7 @@ const COL_PAD: usize = 32;
 /// key waits on memory (batched decode reads every sequence's cache once
 /// per layer).
 const PREFETCH_KEYS: usize = 8;
+
 /// Forwards with fewer multiply-adds than this run on the calling thread
 /// (rayon's wake-up costs more than the work).
 const SERIAL_MACS: usize = 1 << 18;
@@ -106,6 +107,8 @@ struct Scratch {
     row_sum: Vec<f32>,
     tile_max: Vec<f32>,
     corr: Vec<f32>,
+    /// `tile_max` repeated for each of the tile's `bc` rows: `[bc, mp]`.
+    max_rows: Vec<f32>,
 }
 
 struct Ctx<'a, T> {
@@ -398,10 +401,19 @@ impl<T: Element> Ctx<'_, T> {
                 }
                 *rs *= *c;
             }
-            for row in s.s.chunks_exact_mut(mp).take(bc) {
-                for ((x, &mx), rs) in row.iter_mut().zip(&s.tile_max).zip(s.row_sum.iter_mut()) {
-                    *x = exp(*x - mx);
-                    *rs += *x;
+            // p = exp(s - max) over the tile as one flat run, so it
+            // vectorizes whatever mp is (decode: a few columns), then each
+            // column's sum in key order.
+            s.max_rows.clear();
+            for _ in 0..bc {
+                s.max_rows.extend_from_slice(&s.tile_max);
+            }
+            for (x, &mx) in s.s[..bc * mp].iter_mut().zip(&s.max_rows) {
+                *x = exp(*x - mx);
+            }
+            for row in s.s.chunks_exact(mp).take(bc) {
+                for (rs, &x) in s.row_sum.iter_mut().zip(row) {
+                    *rs += x;
                 }
             }
             for (r, &c) in s.corr[..m].iter().enumerate() {
