@@ -121,9 +121,22 @@ fn batched_mode_reports_llama_batched_bench_fields() {
 }
 
 #[test]
+fn a_zero_length_names_no_test_as_in_llama_bench() {
+    let (ok, stdout, stderr) = te(&[
+        "bench", "--model", MODEL, "-p", "0", "-n", "2", "-r", "1", "-t", "2", "-o", "json",
+    ]);
+    assert!(ok, "te bench failed:\n{stderr}");
+    let v: Value = serde_json::from_str(&stdout).expect("one JSON array");
+    let tests = v.as_array().expect("an array");
+    assert_eq!(tests.len(), 1, "only tg2: {stdout}");
+    assert_eq!(tests[0]["n_prompt"].as_u64(), Some(0));
+    assert_eq!(tests[0]["n_gen"].as_u64(), Some(2));
+}
+
+#[test]
 fn bad_bench_arguments_give_one_line_errors() {
     let cases: &[(&[&str], &str)] = &[
-        (&["-p", "0"], "-p"),
+        (&["-p", "0", "-n", "0"], "no test"),
         (&["-p", "16,,32"], "-p"),
         (&["-n", "x"], "-n"),
         (&["-r", "0"], "-r"),

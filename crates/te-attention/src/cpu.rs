@@ -29,9 +29,9 @@ use te_kernels::{Element, QkvFormat};
 
 use crate::attention::{AttnMetadata, DotProductAttention, KvInput, Plan};
 use crate::merge::merge_row;
+use crate::simd::{prefetch, Portable, Simd};
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{Avx2, Avx512};
-use crate::simd::{prefetch, Portable, Simd};
 use crate::tile_math::{exp, gemm};
 
 /// Target rows (query x head) per work unit.
@@ -323,8 +323,9 @@ impl<T: Element> Ctx<'_, T> {
                         match rows.end - r {
                             0 => {}
                             1 => s_row[r] = unsafe { S::dots::<T, 1>([qr(0)], k_row)[0] },
-                            2 => s_row[r..r + 2]
-                                .copy_from_slice(&unsafe { S::dots::<T, 2>([qr(0), qr(1)], k_row) }),
+                            2 => s_row[r..r + 2].copy_from_slice(&unsafe {
+                                S::dots::<T, 2>([qr(0), qr(1)], k_row)
+                            }),
                             3 => s_row[r..r + 3].copy_from_slice(&unsafe {
                                 S::dots::<T, 3>([qr(0), qr(1), qr(2)], k_row)
                             }),

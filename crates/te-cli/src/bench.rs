@@ -50,11 +50,11 @@ pub struct Args {
     #[arg(short = 'm', long)]
     model: String,
     /// Prompt lengths, one pp test each (comma-separated or repeated;
-    /// default 512).
+    /// default 512; 0: no pp test, as llama-bench's `-p 0`).
     #[arg(short = 'p', long = "n-prompt")]
     n_prompt: Vec<String>,
     /// Generation lengths, one tg test each (comma-separated or repeated;
-    /// default 128).
+    /// default 128; 0: no tg test, as llama-bench's `-n 0`).
     #[arg(short = 'n', long = "n-gen")]
     n_gen: Vec<String>,
     /// Timed repetitions of each test (after one warm-up run).
@@ -104,9 +104,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         if format == Format::Json {
             bail!("-o json: --batched writes md or jsonl (as llama-batched-bench)");
         }
-        let npp = parse_list("--npp", &args.npp, None)?;
-        let ntg = parse_list("--ntg", &args.ntg, None)?;
-        let npl = parse_list("--npl", &args.npl, None)?;
+        let npp = parse_list("--npp", &args.npp, None, false)?;
+        let ntg = parse_list("--ntg", &args.ntg, None, false)?;
+        let npl = parse_list("--npl", &args.npl, None, false)?;
         let threads = args.threads.init()?;
         let loaded = crate::load_on(&args.model, &args.device)?;
         batched(
@@ -122,8 +122,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         if !args.npp.is_empty() || !args.ntg.is_empty() || !args.npl.is_empty() {
             bail!("--npp/--ntg/--npl need --batched");
         }
-        let n_prompt = parse_list("-p", &args.n_prompt, Some(512))?;
-        let n_gen = parse_list("-n", &args.n_gen, Some(128))?;
+        // As llama-bench: a length of 0 names no test.
+        let n_prompt = parse_list("-p", &args.n_prompt, Some(512), true)?;
+        let n_gen = parse_list("-n", &args.n_gen, Some(128), true)?;
+        if n_prompt.iter().chain(&n_gen).all(|&n| n == 0) {
+            bail!("-p and -n are all 0: no test to run");
+        }
         if args.repetitions == 0 {
             bail!("-r must be at least 1");
         }
@@ -136,6 +140,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .iter()
             .map(|&p| (p, 0))
             .chain(n_gen.iter().map(|&n| (0, n)))
+            .filter(|&t| t != (0, 0))
             .collect();
         single(
             &loaded.model,
@@ -149,9 +154,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
 }
 
-/// A comma-separated (or repeated) list of positive integers; `default`
-/// when the option was not given at all.
-fn parse_list(flag: &str, given: &[String], default: Option<usize>) -> anyhow::Result<Vec<usize>> {
+/// A comma-separated (or repeated) list of positive integers (or zeros,
+/// with `zero`); `default` when the option was not given at all.
+fn parse_list(
+    flag: &str,
+    given: &[String],
+    default: Option<usize>,
+    zero: bool,
+) -> anyhow::Result<Vec<usize>> {
     if given.is_empty() {
         return match default {
             Some(d) => Ok(vec![d]),
@@ -165,7 +175,7 @@ fn parse_list(flag: &str, given: &[String], default: Option<usize>) -> anyhow::R
             bail!("{flag}: empty list entry (expected positive integers separated by commas)");
         }
         match part.parse::<usize>() {
-            Ok(0) => bail!("{flag}: 0 is not allowed (at least 1)"),
+            Ok(0) if !zero => bail!("{flag}: 0 is not allowed (at least 1)"),
             Ok(v) => out.push(v),
             Err(_) => bail!("{flag}: `{part}` is not a positive integer"),
         }
@@ -659,16 +669,20 @@ mod tests {
     fn lists_parse_and_reject_bad_entries() {
         let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
         assert_eq!(
-            parse_list("-p", &s(&["128,512"]), Some(1)).unwrap(),
+            parse_list("-p", &s(&["128,512"]), Some(1), true).unwrap(),
             [128, 512]
         );
-        assert_eq!(parse_list("-p", &s(&["1", "2"]), None).unwrap(), [1, 2]);
-        assert_eq!(parse_list("-p", &[], Some(512)).unwrap(), [512]);
-        assert!(parse_list("--npl", &[], None).is_err());
-        assert!(parse_list("--npl", &s(&[""]), None).is_err());
-        assert!(parse_list("-p", &s(&["0"]), None).is_err());
-        assert!(parse_list("-p", &s(&["1,,2"]), None).is_err());
-        assert!(parse_list("-p", &s(&["x"]), None).is_err());
+        assert_eq!(
+            parse_list("-p", &s(&["1", "2"]), None, false).unwrap(),
+            [1, 2]
+        );
+        assert_eq!(parse_list("-p", &[], Some(512), true).unwrap(), [512]);
+        assert_eq!(parse_list("-n", &s(&["0,4"]), None, true).unwrap(), [0, 4]);
+        assert!(parse_list("--npl", &[], None, false).is_err());
+        assert!(parse_list("--npl", &s(&[""]), None, false).is_err());
+        assert!(parse_list("--npl", &s(&["0"]), None, false).is_err());
+        assert!(parse_list("-p", &s(&["1,,2"]), None, true).is_err());
+        assert!(parse_list("-p", &s(&["x"]), None, true).is_err());
     }
 
     #[test]
