@@ -18,10 +18,15 @@
 //! of `pl` tokens (one per sequence). `t_pp` is the time until every
 //! sequence has its first token, `t_tg` the rest; `speed_pp = pl*pp/t_pp`,
 //! `speed_tg = pl*tg/t_tg`, `t = t_pp + t_tg`, `speed = pl*(pp+tg)/t`,
-//! `n_kv = pl*(pp+tg)`. One 16-token warm-up at the start, one run per
-//! configuration, as llama-batched-bench; with `--cuda-graphs` also one
-//! short untimed run at each `pl`, so its decode graph is captured before
-//! the timed runs.
+//! `n_kv = pl*(pp+tg)`. One run per configuration, as
+//! llama-batched-bench, after one untimed warm-up step of the largest
+//! shape the runs take (the largest `pl` prompts of the prefill chunk
+//! together, and their first token): the engine's buffers and KV pages
+//! grow on first use, where llama.cpp's context reserves its buffers when
+//! it is created, so without it the first configuration paid for the
+//! growth (Gemma 3's pp 128 at pl 1 measured ~0.6x its llama-bench
+//! pp128). With `--cuda-graphs` also one short untimed run at each `pl`,
+//! so its decode graph is captured before the timed runs.
 //!
 //! Prompts are fixed synthetic token ids (a seeded generator over the
 //! vocabulary, BOS first when the model adds one, different for each
@@ -41,7 +46,8 @@ use te_models::sampling::SamplingParams;
 /// `n_batch`.
 const N_BATCH: usize = 2048;
 
-/// Tokens of llama-batched-bench's warm-up prompt.
+/// Tokens of the prompts the cuda-graph captures run (llama-batched-bench's
+/// warm-up prompt length).
 const WARMUP_TOKENS: usize = 16;
 
 #[derive(clap::Args)]
@@ -534,13 +540,16 @@ fn batched(
     };
     let n_batch = config.max_step_tokens;
     let mut engine = Engine::new(model, None, config)?;
-    // Warm-up: one 16-token prompt and its first token.
-    let warmup = WARMUP_TOKENS.min(model.config.max_position_embeddings - 1);
-    engine
-        .add_request(request(synthetic_prompt(0, warmup, vocab, bos), 1))
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-    run_timed(&mut engine, 1)?;
+    // Warm-up: the largest step (max_pl prompts of one prefill chunk) and
+    // their first token (see the module doc).
+    for s in 0..max_pl {
+        engine
+            .add_request(request(synthetic_prompt(s as u64, chunk, vocab, bos), 1))
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
+    run_timed(&mut engine, max_pl)?;
     if model.cuda_graphs() {
+        let warmup = WARMUP_TOKENS.min(model.config.max_position_embeddings - 1);
         // Each batch size's decode graph is captured here rather than in a
         // timed run (a page table that outgrows the width it was captured
         // with is still captured again inside one).
