@@ -20,10 +20,13 @@ pub(crate) fn prefetch<T>(row: &[T]) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let p = row.as_ptr().cast::<i8>();
-        for line in (0..std::mem::size_of_val(row)).step_by(64) {
-            // SAFETY: a prefetch never faults; the address is inside `row`.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(line)) };
+        // From the line holding the first byte to the one holding the last.
+        let start = row.as_ptr() as usize;
+        let first = start & !63;
+        let end = start + std::mem::size_of_val(row);
+        for line in (first..end).step_by(64) {
+            // SAFETY: a prefetch never faults (nor is the address read).
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(line as *const i8) };
         }
     }
     #[cfg(not(target_arch = "x86_64"))]

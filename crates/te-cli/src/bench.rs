@@ -25,7 +25,8 @@
 //! grow on first use, where llama.cpp's context reserves its buffers when
 //! it is created, so without it the first configuration paid for the
 //! growth (Gemma 3's pp 128 at pl 1 measured ~0.6x its llama-bench
-//! pp128). With `--cuda-graphs` also one short untimed run at each `pl`,
+//! pp128). The warm-up costs one prefill of `pl * min(pp, 2048)` tokens
+//! for the largest of each. With `--cuda-graphs` also one short untimed run at each `pl`,
 //! so its decode graph is captured before the timed runs.
 //!
 //! Prompts are fixed synthetic token ids (a seeded generator over the
@@ -174,16 +175,21 @@ fn parse_list(
             None => bail!("{flag} is required (a comma-separated list of positive integers)"),
         };
     }
+    let what = if zero {
+        "non-negative integer"
+    } else {
+        "positive integer"
+    };
     let mut out = Vec::new();
     for part in given.iter().flat_map(|g| g.split(',')) {
         let part = part.trim();
         if part.is_empty() {
-            bail!("{flag}: empty list entry (expected positive integers separated by commas)");
+            bail!("{flag}: empty list entry (expected one {what} per comma-separated entry)");
         }
         match part.parse::<usize>() {
             Ok(0) if !zero => bail!("{flag}: 0 is not allowed (at least 1)"),
             Ok(v) => out.push(v),
-            Err(_) => bail!("{flag}: `{part}` is not a positive integer"),
+            Err(_) => bail!("{flag}: `{part}` is not a {what}"),
         }
     }
     Ok(out)

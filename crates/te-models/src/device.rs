@@ -6,8 +6,7 @@
 //! RoPE table, and implements each op on them. [`Cpu`] is the host: every
 //! op calls the function the CPU forward has always called
 //! ([`crate::ops`], [`crate::activation`], te-kernels' `apply_rope_cpu`),
-//! in the same order, so the CPU results are bit-identical to the
-//! pre-device-op code. The CUDA device
+//! in the same order as the CPU forward before device ops existed. The CUDA device
 //! is `crate::cuda::Cuda` (bf16 weights, f32 activations).
 //!
 //! KV save and attention are not ops here: they need the step's cache, so

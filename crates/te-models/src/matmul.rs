@@ -381,15 +381,23 @@ pub(crate) fn matmul_many_into_isa<const N: usize>(
     let prows = panel_rows(k).min(rows_per_task);
     // Per task: the decoded panel (quantized weights; f32 weights are read
     // in place), then the k-blocked kernel's accumulator state.
-    let state_len = STATE_ROWS * prows.div_ceil(MR) * MR * 16;
+    // (None when k is one block: the kernel then keeps its accumulators
+    // in registers from start to end.)
+    let state_len = if k > KC {
+        STATE_ROWS * prows.div_ceil(MR) * MR * 16
+    } else {
+        0
+    };
     let quantized = products
         .iter()
         .any(|p| matches!(p.w, Weights::Quantized { .. }));
+    // (At least one float, so every task gets its chunk below.)
     let panel_len = if quantized {
         prows * k + state_len
     } else {
         state_len
-    };
+    }
+    .max(1);
     // scratch: [panels: tasks * panel_len]
     let need = tasks * panel_len;
     if scratch.len() < need {
@@ -489,7 +497,8 @@ const STATE_ROWS: usize = 48;
 /// [`KC`], each tile's 16-lane accumulators saved to `state` between
 /// blocks and reloaded (exact), so every accumulator still sees its
 /// columns in order and the arithmetic is the module's. `w: [rows, k]`,
-/// `state`: at least `STATE_ROWS * rows.div_ceil(MR) * MR * 16` floats.
+/// `state`: at least `STATE_ROWS * rows.div_ceil(MR) * MR * 16` floats when
+/// `k > KC` (unused otherwise).
 #[cfg(target_arch = "x86_64")]
 fn panel_product_avx512(
     x: &[f32],
@@ -504,7 +513,7 @@ fn panel_product_avx512(
     const NR: usize = 6;
     let tiles_m = rows.div_ceil(MR);
     assert!(
-        state.len() >= STATE_ROWS * tiles_m * MR * 16,
+        k <= KC || state.len() >= STATE_ROWS * tiles_m * MR * 16,
         "panel_product_avx512: short state"
     );
     assert!(
@@ -516,7 +525,7 @@ fn panel_product_avx512(
         for c0 in (0..k).step_by(KC) {
             let c1 = (c0 + KC).min(k);
             // The block's rows in as few tiles as fit, of even sizes
-            // (32 rows: 6, 6, 5, 5, 5, 5, not five of 6 and one of 2).
+            // (32 rows: 5, 5, 6, 5, 5, 6, not five of 6 and one of 2).
             let tiles_i = bt.div_ceil(NR);
             for ti in 0..tiles_i {
                 let i0 = b0 + ti * bt / tiles_i;
@@ -529,7 +538,12 @@ fn panel_product_avx512(
                         w[(m0 + if m < mr { m } else { 0 }) * k..].as_ptr()
                     });
                     let slot = (ti * tiles_m + m0 / MR) * MR * NR * 16;
-                    let st = state[slot..slot + MR * NR * 16].as_mut_ptr();
+                    // (One block: the kernel never touches its state.)
+                    let st = if k > KC {
+                        state[slot..slot + MR * NR * 16].as_mut_ptr()
+                    } else {
+                        std::ptr::null_mut()
+                    };
                     // After the last block: y[i0 .., j0 + m0 ..], mr columns.
                     let last = (c1 == k).then(|| (y.at(i0, j0 + m0), mr));
                     macro_rules! go {
@@ -538,7 +552,8 @@ fn panel_product_avx512(
                                 std::array::from_fn(|r| x[(i0 + r) * k..].as_ptr());
                             // SAFETY: the CPU has AVX-512F (Isa::Avx512);
                             // every x and w pointer starts k readable floats
-                            // (asserted above); `st` has MR * NR * 16 floats;
+                            // (asserted above); `st` has MR * NR * 16 floats
+                            // (null only for one block: first and last);
                             // rows i0 .. i0 + nr < t and columns j0 + m0 ..
                             // j0 + m0 + mr of y are this task's.
                             unsafe {
@@ -702,7 +717,8 @@ mod avx512 {
     ///
     /// # Safety
     /// The CPU must support AVX-512F; every pointer must start `k`
-    /// readable floats; `state` must hold `MR · NR · 16` floats; with
+    /// readable floats; `state` must hold `MR · NR · 16` floats (it is
+    /// not accessed, and may be null, when `first` and `last`); with
     /// `last`, `y[r · n .. r · n + mr]` must be writable for `r < NR`.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
@@ -1220,7 +1236,13 @@ mod tests {
             println!("note: no AVX-512 here: the k-blocked panel kernel is not exercised");
         }
         let mut rng = StdRng::seed_from_u64(7);
-        for (ty, k) in [(GgmlType::Q8_0, KC + 96), (GgmlType::F32, KC + 100)] {
+        // Two blocks, and three (a middle block reloads and saves).
+        for (ty, k) in [
+            (GgmlType::Q8_0, KC + 96),
+            (GgmlType::F32, KC + 100),
+            (GgmlType::Q8_0, 2 * KC + 64),
+            (GgmlType::F32, 2 * KC + 100),
+        ] {
             let n = 9;
             let data = random_weights(ty, &[0], n, k, &mut rng);
             let mut wf = vec![f32::NAN; n * k];
@@ -1239,7 +1261,8 @@ mod tests {
                 );
             }
             for isa in Isa::available() {
-                for t in [1usize, 7, 50] {
+                // 7, 33, 47: tiles of uneven sizes; 50: a second row block.
+                for t in [1usize, 7, 33, 47, 50] {
                     for p in [0, t / 2, t - 1] {
                         let y = row_in_batch(isa, &row, t, p, w, n, k, &mut rng);
                         for (j, (&g, &e)) in y.iter().zip(&want).enumerate() {
