@@ -25,9 +25,10 @@
 //! grow on first use, where llama.cpp's context reserves its buffers when
 //! it is created, so without it the first configuration paid for the
 //! growth (Gemma 3's pp 128 at pl 1 measured ~0.6x its llama-bench
-//! pp128). The warm-up costs one prefill of `pl * min(pp, 2048)` tokens
-//! for the largest of each. With `--cuda-graphs` also one short untimed run at each `pl`,
-//! so its decode graph is captured before the timed runs.
+//! pp128). The warm-up costs one prefill of `pl * min(pp, 2048)` tokens,
+//! for the largest `pl` and `pp`. With `--cuda-graphs` also one short
+//! untimed run at each `pl`, so its decode graph is captured before the
+//! timed runs.
 //!
 //! Prompts are fixed synthetic token ids (a seeded generator over the
 //! vocabulary, BOS first when the model adds one, different for each

@@ -381,7 +381,7 @@ pub(crate) fn matmul_many_into_isa<const N: usize>(
     let prows = panel_rows(k).min(rows_per_task);
     // Per task: the decoded panel (quantized weights; f32 weights are read
     // in place), then the k-blocked kernel's accumulator state.
-    // (None when k is one block: the kernel then keeps its accumulators
+    // (Empty when k is one block: the kernel then keeps its accumulators
     // in registers from start to end.)
     let state_len = if k > KC {
         STATE_ROWS * prows.div_ceil(MR) * MR * 16
@@ -682,9 +682,9 @@ pub(crate) fn dot_portable(x: &[f32], w: &[f32]) -> f32 {
     reduce16(&a)
 }
 
-/// The lane tree of the module doc.
+/// The lane tree of the module doc (RMSNorm's sum of squares uses it too).
 #[inline(always)]
-fn reduce16(a: &[f32; 16]) -> f32 {
+pub(crate) fn reduce16(a: &[f32; 16]) -> f32 {
     let s8: [f32; 8] = std::array::from_fn(|l| a[l] + a[l + 8]);
     let s4: [f32; 4] = std::array::from_fn(|l| s8[l] + s8[l + 4]);
     let s2: [f32; 2] = std::array::from_fn(|l| s4[l] + s4[l + 2]);

@@ -340,8 +340,8 @@ pub fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
 
 /// `Σ v²` over `row` in 16 lanes (lane `l` sums the squares of the
 /// elements `≡ l (mod 16)` in order, each a multiply then an add), then
-/// the lanes as a fixed tree: independent chains, so it vectorizes, where
-/// one running sum waits on every add.
+/// the lanes as [`crate::matmul`]'s fixed tree: independent chains, so it
+/// vectorizes, where one running sum waits on every add.
 fn sum_squares(row: &[f32]) -> f32 {
     let mut a = [0.0f32; 16];
     let chunks = row.chunks_exact(16);
@@ -354,9 +354,7 @@ fn sum_squares(row: &[f32]) -> f32 {
     for (a, v) in a.iter_mut().zip(tail) {
         *a += v * v;
     }
-    let s8: [f32; 8] = std::array::from_fn(|l| a[l] + a[l + 8]);
-    let s4: [f32; 4] = std::array::from_fn(|l| s8[l] + s8[l + 4]);
-    (s4[0] + s4[2]) + (s4[1] + s4[3])
+    matmul::reduce16(&a)
 }
 
 /// `x = x + y`, elementwise.
