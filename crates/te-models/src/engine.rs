@@ -53,6 +53,8 @@
 //! and all work is done.
 
 use std::collections::VecDeque;
+
+use rayon::prelude::*;
 use std::sync::mpsc;
 use std::time::Instant;
 
@@ -714,27 +716,56 @@ impl<'a> Engine<'a> {
                 )));
             }
         };
-        let mut row = 0;
+        // Each fed sequence's row of the output, and the token it takes
+        // (None: mid-prompt chunk). The sequences sample in parallel: each
+        // reads its own row with its own sampler and RNG, so the tokens do
+        // not depend on the order (at 32 sequences one pass over Gemma 3's
+        // 262,144 logits each was ~3% of a decode step).
+        let mut picks: Vec<Option<u32>> = vec![None; self.running.len()];
+        {
+            let mut row = 0;
+            let mut jobs = Vec::new();
+            for ((seq, &n), pick) in self.running.iter_mut().zip(&feed).zip(&mut picks) {
+                if n == 0 {
+                    continue;
+                }
+                let this_row = row;
+                row += 1;
+                if seq.fed + n >= seq.tokens.len() {
+                    jobs.push((seq, this_row, pick));
+                }
+            }
+            match &out {
+                StepOutput::Logits(logits) => {
+                    let sample = |(seq, r, pick): (&mut Seq<'_>, usize, &mut Option<u32>)| {
+                        let row = &logits[r * vocab..(r + 1) * vocab];
+                        *pick = Some(seq.sampler.sample(row, &seq.tokens));
+                    };
+                    // (One sequence: no hand-off to the pool.)
+                    if jobs.len() > 1 {
+                        jobs.into_par_iter().for_each(sample);
+                    } else {
+                        jobs.into_iter().for_each(sample);
+                    }
+                }
+                StepOutput::Tokens(ids) => {
+                    for (_, r, pick) in jobs {
+                        *pick = Some(ids[r]);
+                    }
+                }
+            }
+        }
         let mut finished_idx = Vec::new();
-        for (i, (seq, &n)) in self.running.iter_mut().zip(&feed).enumerate() {
+        for (i, ((seq, &n), pick)) in self.running.iter_mut().zip(&feed).zip(picks).enumerate() {
             if n == 0 {
                 continue;
             }
-            let this_row = row;
-            row += 1;
             seq.fed += n;
             if self.config.prefix_caching {
                 self.cache.register_prefix(seq.id, &seq.tokens[..seq.fed])?;
             }
-            if seq.fed < seq.tokens.len() {
+            let Some(tok) = pick else {
                 continue; // mid-prompt chunk: no token yet
-            }
-            let tok = match &out {
-                StepOutput::Logits(logits) => seq.sampler.sample(
-                    &logits[this_row * vocab..(this_row + 1) * vocab],
-                    &seq.tokens,
-                ),
-                StepOutput::Tokens(ids) => ids[this_row],
             };
             seq.tokens.push(tok);
             self.stats.generated_tokens += 1;
