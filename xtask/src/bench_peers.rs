@@ -1,16 +1,23 @@
-//! `cargo xtask bench --vs-llama-cpp [--threads N]`: te-rs against
-//! llama.cpp on the same GGUF files, the same threads, in one run.
+//! `cargo xtask bench --vs-llama-cpp [--threads N] [--rounds R]`: te-rs
+//! against llama.cpp on the same GGUF files, the same threads, in one run.
 //!
-//! For each known model, alternating which engine goes first: llama.cpp's
-//! `llama-bench -p 128,512 -n 64 -r 3 -o json` and `te bench` with the same
-//! arguments; `llama-batched-bench -npp 128 -ntg 128 -npl 1,8,32
-//! --output-format jsonl` and `te bench --batched` with the same; and the
-//! peak resident memory (`/usr/bin/time -f %M`) of a short greedy
-//! completion, `llama-completion` against `te generate`, same file, same
-//! context. Prints one markdown table with every figure and its ratio
-//! (te-rs / llama.cpp), for docs/benchmarks.md. llama.cpp comes from
-//! `cargo xtask peers` (built on first use); `te` is built here. Not part
-//! of CI.
+//! For each known model, in `R` rounds (default 3), each round alternating
+//! which engine goes first: llama.cpp's `llama-bench -p 128,512 -n 64 -r 3
+//! -o json` and `te bench` with the same arguments; `llama-batched-bench
+//! -npp 128 -ntg 128 -npl 1,8,32 --output-format jsonl` and `te bench
+//! --batched` with the same; then once the peak resident memory
+//! (`/usr/bin/time -f %M`) of a short greedy completion,
+//! `llama-completion` against `te generate`, same file, same context.
+//! Prints one markdown table with every figure and its ratio (te-rs /
+//! llama.cpp), for docs/benchmarks.md: with one round llama-bench's `avg ±
+//! stddev`, with more each engine's median over the rounds and its range,
+//! and the ratio of the medians. The rounds interleave the two engines
+//! over the run's minutes: on a shared machine the others' load comes and
+//! goes over minutes, and a single pair of runs could put one engine in a
+//! quiet minute and the other in a busy one (one te-rs repetition of
+//! Gemma 3's pp512 at half speed moved its ratio from ~1.2x to 1.08x).
+//! llama.cpp comes from `cargo xtask peers` (built on first use); `te` is
+//! built here. Not part of CI.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -38,6 +45,7 @@ const MEM_PROMPT: &str = "The capital of France is";
 
 pub fn run(args: &[String]) -> anyhow::Result<()> {
     let mut threads = 2usize;
+    let mut rounds = 3usize;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -49,7 +57,16 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
                     .filter(|&n: &usize| n > 0)
                     .context("--threads takes a positive integer")?;
             }
-            other => bail!("bench --vs-llama-cpp: unknown argument `{other}` (takes --threads N)"),
+            "--rounds" => {
+                rounds = it
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .filter(|&n: &usize| n > 0)
+                    .context("--rounds takes a positive integer")?;
+            }
+            other => bail!(
+                "bench --vs-llama-cpp: unknown argument `{other}` (takes --threads N, --rounds R)"
+            ),
         }
     }
     if !Path::new("/usr/bin/time").is_file() {
@@ -61,9 +78,14 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     let t = threads.to_string();
     println!("## te-rs and llama.cpp, same run\n");
     println!(
-        "llama.cpp {} (llama-cpp-python {}), {threads} threads, both engines on the same GGUF file.\n",
+        "llama.cpp {} (llama-cpp-python {}), {threads} threads, both engines on the same GGUF file, {}.\n",
         crate::peers::LLAMA_CPP_COMMIT,
-        crate::peers::LLAMA_CPP_PYTHON
+        crate::peers::LLAMA_CPP_PYTHON,
+        if rounds == 1 {
+            "one round: llama-bench's avg ± stddev".to_string()
+        } else {
+            format!("{rounds} interleaved rounds: each engine's median (min-max over the rounds)")
+        }
     );
     // The machine's load says how far to trust the figures: ggml's threads
     // spin at their barriers and suffer more than rayon's when other work
@@ -95,14 +117,36 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
                 "te bench",
             )?)
         };
-        let (l, r) = alternate(te_first, run_llama, run_te)?;
-        for (test, avg, sd) in &l {
-            let Some((_, t_avg, t_sd)) = r.iter().find(|(n, _, _)| n == test) else {
-                bail!("te bench has no {test} result");
+        let (l, r) = interleave(rounds, te_first, run_llama, run_te)?;
+        for (test, avg, sd) in &l[0] {
+            let figure = |runs: &[Vec<(String, f64, f64)>], who: &str| {
+                let per_round = runs
+                    .iter()
+                    .map(|run| {
+                        run.iter()
+                            .find(|(n, _, _)| n == test)
+                            .map(|&(_, a, _)| a)
+                            .with_context(|| format!("{who} has no {test} result"))
+                    })
+                    .collect::<anyhow::Result<Vec<f64>>>()?;
+                anyhow::Ok(Figure::new(&per_round))
+            };
+            let (lf, tf) = (figure(&l, "llama-bench")?, figure(&r, "te bench")?);
+            let (l_text, t_text) = if rounds == 1 {
+                let t_sd = r[0]
+                    .iter()
+                    .find(|(n, _, _)| n == test)
+                    .map_or(0.0, |&(_, _, sd)| sd);
+                (
+                    format!("{avg:.1} ± {sd:.1}"),
+                    format!("{:.1} ± {t_sd:.1}", tf.median),
+                )
+            } else {
+                (lf.to_string(), tf.to_string())
             };
             rows.push(format!(
-                "| {name} | {test} t/s | {avg:.1} ± {sd:.1} | {t_avg:.1} ± {t_sd:.1} | {:.2}x |",
-                t_avg / avg
+                "| {name} | {test} t/s | {l_text} | {t_text} | {:.2}x |",
+                tf.median / lf.median
             ));
         }
 
@@ -134,26 +178,33 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
                 .args(["--npp", &npp, "--ntg", &ntg, "--npl", &npl, "-o", "jsonl"]);
             jsonl(&capture(&mut cmd, "te bench --batched")?)
         };
-        let (l, r) = alternate(te_first, run_llama, run_te)?;
+        let (l, r) = interleave(rounds, te_first, run_llama, run_te)?;
         let mut te_tg = Vec::new();
         for pl in NPL {
-            let find = |v: &[Value], who: &str| -> anyhow::Result<(f64, f64)> {
-                let row = v
-                    .iter()
-                    .find(|o| o["pl"].as_u64() == Some(pl as u64))
-                    .with_context(|| format!("{who} has no pl {pl} result"))?;
-                Ok((num(row, "speed_pp")?, num(row, "speed_tg")?))
+            // (speed_pp, speed_tg) over the rounds.
+            let find = |runs: &[Vec<Value>], who: &str| -> anyhow::Result<(Figure, Figure)> {
+                let mut pp = Vec::new();
+                let mut tg = Vec::new();
+                for v in runs {
+                    let row = v
+                        .iter()
+                        .find(|o| o["pl"].as_u64() == Some(pl as u64))
+                        .with_context(|| format!("{who} has no pl {pl} result"))?;
+                    pp.push(num(row, "speed_pp")?);
+                    tg.push(num(row, "speed_tg")?);
+                }
+                Ok((Figure::new(&pp), Figure::new(&tg)))
             };
             let (l_pp, l_tg) = find(&l, "llama-batched-bench")?;
             let (t_pp, t_tg) = find(&r, "te bench --batched")?;
-            te_tg.push(t_tg);
+            te_tg.push(t_tg.median);
             rows.push(format!(
-                "| {name} | batched pp {NPP} pl {pl}: speed_pp t/s | {l_pp:.1} | {t_pp:.1} | {:.2}x |",
-                t_pp / l_pp
+                "| {name} | batched pp {NPP} pl {pl}: speed_pp t/s | {l_pp} | {t_pp} | {:.2}x |",
+                t_pp.median / l_pp.median
             ));
             rows.push(format!(
-                "| {name} | batched tg {NTG} pl {pl}: speed_tg t/s | {l_tg:.1} | {t_tg:.1} | {:.2}x |",
-                t_tg / l_tg
+                "| {name} | batched tg {NTG} pl {pl}: speed_tg t/s | {l_tg} | {t_tg} | {:.2}x |",
+                t_tg.median / l_tg.median
             ));
         }
         if let (Some(first), Some(last)) = (te_tg.first(), te_tg.last()) {
@@ -203,7 +254,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         load_average()
     );
     println!(
-        "\nCommands: `llama-bench -m FILE -t {t} -p {N_PROMPT} -n {N_GEN} -r {REPS} -o json` and \
+        "\nCommands (each round, engines alternating): `llama-bench -m FILE -t {t} -p {N_PROMPT} -n {N_GEN} -r {REPS} -o json` and \
          `te bench` with the same arguments; `llama-batched-bench -m FILE -t {t} -c {} -npp {NPP} \
          -ntg {NTG} -npl {} --output-format jsonl` and `te bench --batched -m FILE -t {t} --npp {NPP} \
          --ntg {NTG} --npl {}`; `/usr/bin/time -f %M` of `llama-completion -m FILE -t {t} -c {MEM_CTX} \
@@ -237,6 +288,57 @@ fn alternate<A, B>(
     } else {
         let a = llama()?;
         Ok((a, te()?))
+    }
+}
+
+/// `rounds` rounds of `llama` and `te`, [`alternate`]d, the first round
+/// starting with `te` when `te_first` and each next round with the other
+/// engine: (llama's results, te's results), one per round.
+fn interleave<A, B>(
+    rounds: usize,
+    te_first: bool,
+    mut llama: impl FnMut() -> anyhow::Result<A>,
+    mut te: impl FnMut() -> anyhow::Result<B>,
+) -> anyhow::Result<(Vec<A>, Vec<B>)> {
+    let (mut ls, mut ts) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        let (a, b) = alternate(te_first ^ (round % 2 == 1), &mut llama, &mut te)?;
+        ls.push(a);
+        ts.push(b);
+    }
+    Ok((ls, ts))
+}
+
+/// One engine's figure over the rounds: the median (of an even count, the
+/// mean of the middle two) and the range.
+struct Figure {
+    median: f64,
+    min: f64,
+    max: f64,
+}
+
+impl Figure {
+    /// `values` must not be empty.
+    fn new(values: &[f64]) -> Figure {
+        let mut v = values.to_vec();
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        Figure {
+            median: (v[(n - 1) / 2] + v[n / 2]) / 2.0,
+            min: v[0],
+            max: v[n - 1],
+        }
+    }
+}
+
+impl std::fmt::Display for Figure {
+    /// `median` alone for one value, else `median (min-max)`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.min == self.max {
+            write!(f, "{:.1}", self.median)
+        } else {
+            write!(f, "{:.1} ({:.1}-{:.1})", self.median, self.min, self.max)
+        }
     }
 }
 

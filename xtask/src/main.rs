@@ -35,7 +35,7 @@ fn main() -> anyhow::Result<()> {
                  commands:\n  \
                  test [--gpu]       run every test (fetches the test models first)\n  \
                  bench [SECTION]    kernels, attention, models, engine and serve benchmarks\n  \
-                 bench --vs-llama-cpp [--threads N]  te-rs and llama.cpp on the same files, same run\n  \
+                 bench --vs-llama-cpp [--threads N] [--rounds R]  te-rs and llama.cpp, same files, same run\n  \
                  kernels            compile kernels/*.cu with NVRTC for sm_80 and sm_90\n  \
                  fetch-models       download and verify the test models into $TE_HOME\n  \
                  gpu-bundle         GPU parity test binaries + run.sh for a GPU machine without Rust\n  \
