@@ -118,32 +118,29 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             )?)
         };
         let (l, r) = interleave(rounds, te_first, run_llama, run_te)?;
-        for (test, avg, sd) in &l[0] {
+        for (test, _, _) in &l[0] {
+            // The engine's figure over the rounds, and its text: with one
+            // round llama-bench's `avg ± stddev`, else `median (min-max)`.
             let figure = |runs: &[Vec<(String, f64, f64)>], who: &str| {
                 let per_round = runs
                     .iter()
                     .map(|run| {
                         run.iter()
                             .find(|(n, _, _)| n == test)
-                            .map(|&(_, a, _)| a)
+                            .map(|&(_, avg, sd)| (avg, sd))
                             .with_context(|| format!("{who} has no {test} result"))
                     })
-                    .collect::<anyhow::Result<Vec<f64>>>()?;
-                anyhow::Ok(Figure::new(&per_round))
+                    .collect::<anyhow::Result<Vec<(f64, f64)>>>()?;
+                let avgs: Vec<f64> = per_round.iter().map(|&(avg, _)| avg).collect();
+                let f = Figure::new(&avgs);
+                let text = match per_round[..] {
+                    [(avg, sd)] => format!("{avg:.1} ± {sd:.1}"),
+                    _ => f.to_string(),
+                };
+                anyhow::Ok((f, text))
             };
-            let (lf, tf) = (figure(&l, "llama-bench")?, figure(&r, "te bench")?);
-            let (l_text, t_text) = if rounds == 1 {
-                let t_sd = r[0]
-                    .iter()
-                    .find(|(n, _, _)| n == test)
-                    .map_or(0.0, |&(_, _, sd)| sd);
-                (
-                    format!("{avg:.1} ± {sd:.1}"),
-                    format!("{:.1} ± {t_sd:.1}", tf.median),
-                )
-            } else {
-                (lf.to_string(), tf.to_string())
-            };
+            let (lf, l_text) = figure(&l, "llama-bench")?;
+            let (tf, t_text) = figure(&r, "te bench")?;
             rows.push(format!(
                 "| {name} | {test} t/s | {l_text} | {t_text} | {:.2}x |",
                 tf.median / lf.median
@@ -416,4 +413,44 @@ fn peak_rss_kb(cmd: Command, what: &str) -> anyhow::Result<u64> {
         .rev()
         .find_map(|l| l.trim().parse().ok())
         .with_context(|| format!("no peak memory in /usr/bin/time's report: {text:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Medians and ranges by hand: odd and even counts, one value.
+    #[test]
+    fn figure_median_and_range() {
+        let f = Figure::new(&[3.0, 1.0, 2.0]);
+        assert_eq!((f.median, f.min, f.max), (2.0, 1.0, 3.0));
+        assert_eq!(f.to_string(), "2.0 (1.0-3.0)");
+        let f = Figure::new(&[4.0, 1.0, 2.0, 10.0]);
+        assert_eq!((f.median, f.min, f.max), (3.0, 1.0, 10.0));
+        assert_eq!(Figure::new(&[5.25]).to_string(), "5.2");
+    }
+
+    /// Rounds alternate which engine goes first, starting as asked.
+    #[test]
+    fn rounds_alternate_the_first_engine() {
+        for te_first in [false, true] {
+            let order = std::cell::RefCell::new(Vec::new());
+            let (l, t) = interleave(
+                4,
+                te_first,
+                || {
+                    order.borrow_mut().push('l');
+                    Ok(1)
+                },
+                || {
+                    order.borrow_mut().push('t');
+                    Ok(2)
+                },
+            )
+            .unwrap();
+            assert_eq!((l, t), (vec![1; 4], vec![2; 4]));
+            let want = if te_first { "tllttllt" } else { "lttllttl" };
+            assert_eq!(order.into_inner().into_iter().collect::<String>(), want);
+        }
+    }
 }

@@ -33,9 +33,9 @@
 //! weights (f32 weights are read in place) and runs every register tile
 //! of `x` against the panel, so each weight block is decoded once per
 //! step whatever `t` is (a panel's rows are 64 bytes further apart when
-//! `k` is a multiple of 512, so that the tile's rows do not share L1
+//! `k` is a multiple of 1024, so that the tile's rows do not share L1
 //! sets; with AVX-512 the bytes of the task's next panel are prefetched
-//! while the current one is multiplied): AVX-512 tiles of 4 x 6 (24 of its 32 registers),
+//! while the last block of token rows is multiplied): AVX-512 tiles of 4 x 6 (24 of its 32 registers),
 //! walking `k` in 2048-column blocks with the accumulators saved between
 //! blocks (exact); AVX2 tiles of 4 x 3, one 8-lane half of the 16 lanes
 //! at a time. With AVX2 and at most 2 token rows, quantized weights are
@@ -138,15 +138,16 @@ fn panel_rows(k: usize) -> usize {
 }
 
 /// Row stride (floats) of a decoded panel of rows of `k` weights: `k`, or
-/// `k + 16` when rows `k` floats apart would be a multiple of 2 KiB apart.
-/// The register tile walks 4 weight rows and up to 6 rows of `x` at once;
-/// with such strides every row's column `c` falls in the same L1 sets,
-/// and the ten streams evict each other (8 ways): Gemma 3's down
-/// projection (`k` = 2048) ran ~75 GFLOP/s per core against ~105 with the
-/// panel's rows 64 bytes further apart (same run). The padding is never
-/// read.
+/// `k + 16` when rows `k` floats apart would be a multiple of 4 KiB apart
+/// (`k` a multiple of 1024). The register tile walks 4 weight rows and up
+/// to 6 rows of `x` at once; with such strides every row's column `c`
+/// falls in the same sets of a 32 KiB, 8-way L1 (4 KiB a way), and the ten
+/// streams evict each other: a copy of the tile at Gemma 3's down
+/// projection (`k` = 2048, one thread, panel in L2) ran 80-87 GFLOP/s
+/// against 100-114 with the panel's rows 64 bytes further apart (same
+/// minutes; the FMA peak 113-117). The padding is never read.
 fn panel_stride(k: usize) -> usize {
-    if k.is_multiple_of(512) {
+    if k.is_multiple_of(1024) {
         k + 16
     } else {
         k
@@ -388,6 +389,13 @@ pub(crate) fn matmul_many_into_isa<const N: usize>(
     if t == 0 || total == 0 {
         return;
     }
+    if k == 0 {
+        // Empty rows: every output is the lane tree of sixteen +0.0 lanes.
+        for p in products {
+            p.y.fill(0.0);
+        }
+        return;
+    }
     let threads = rayon::current_num_threads().max(1);
     let rows_per_task = total.div_ceil(threads * TASKS_PER_THREAD).div_ceil(MR) * MR;
     // Product i's tasks are first_task[i] .. first_task[i + 1].
@@ -445,7 +453,7 @@ pub(crate) fn matmul_many_into_isa<const N: usize>(
 }
 
 /// Rows `j0 .. j0 + rows` of one product (columns of its `y: [t, out.n]`),
-/// with the task's scratch `panel` (`prows * k` decoded weights when
+/// with the task's scratch `panel` (`prows * panel_stride(k)` decoded weights when
 /// quantized, then `state_len` accumulators).
 #[allow(clippy::too_many_arguments)]
 fn product_task(
@@ -557,12 +565,13 @@ fn panel_product_avx512(
         "panel_product_avx512: short state"
     );
     assert!(
-        ldw >= k && w.len() >= (rows - 1) * ldw + k && x.len() >= t * k,
+        ldw >= k && (rows == 0 || w.len() >= (rows - 1) * ldw + k) && x.len() >= t * k,
         "panel_product_avx512: short input"
     );
     // The cache lines of `next` (from the line of its first byte), a few
-    // after each tile: all of them by the end of the first block of token
-    // rows.
+    // after each tile of the last block of token rows (with many rows,
+    // lines fetched earlier would leave L2 again while the other blocks'
+    // rows of `x` stream through it).
     let skew = next.as_ptr() as usize % 64;
     let lines = if next.is_empty() {
         0
@@ -570,7 +579,8 @@ fn panel_product_avx512(
         (skew + next.len()).div_ceil(64)
     };
     let first_line = next.as_ptr().wrapping_sub(skew);
-    let tiles = STATE_ROWS.min(t).div_ceil(NR) * k.div_ceil(KC) * tiles_m;
+    let last_block = (t - 1) / STATE_ROWS * STATE_ROWS;
+    let tiles = (t - last_block).div_ceil(NR) * k.div_ceil(KC) * tiles_m;
     let per_tile = lines.div_ceil(tiles);
     let mut line = 0;
     for b0 in (0..t).step_by(STATE_ROWS) {
@@ -623,7 +633,8 @@ fn panel_product_avx512(
                         6 => go!(6),
                         _ => unreachable!("at most 6 token rows per tile"),
                     }
-                    for _ in 0..per_tile.min(lines - line) {
+                    let fetch = if b0 == last_block { per_tile } else { 0 };
+                    for _ in 0..fetch.min(lines - line) {
                         let at = first_line.wrapping_add(64 * line);
                         // SAFETY: a prefetch is a hint that never faults.
                         unsafe {
@@ -1200,8 +1211,13 @@ mod tests {
 
     fn run(isa: Isa, x: &[f32], t: usize, w: Weights<'_>, n: usize, k: usize) -> Vec<f32> {
         let mut y = vec![f32::NAN; t * n];
-        // Poisoned scratch: every value the kernel reads from it is written first.
-        let mut scratch = vec![f32::NAN; 7];
+        // Poisoned scratch, as large as the kernel can use (so it never
+        // grows it with zeros): every value the kernel reads from it (not
+        // the panels' padding) is written first.
+        let tasks = (rayon::current_num_threads().max(1) * TASKS_PER_THREAD).min(n.div_ceil(MR));
+        let prows = panel_rows(k).min(n.div_ceil(MR) * MR);
+        let panel = prows * panel_stride(k) + STATE_ROWS * (prows + MR) * 16 + 1;
+        let mut scratch = vec![f32::NAN; tasks * panel];
         matmul_many_into_isa(isa, x, t, k, [Product { w, n, y: &mut y }], &mut scratch);
         y
     }
@@ -1289,11 +1305,12 @@ mod tests {
     /// Long rows: rows past one k-block of the AVX-512 panel kernel (96
     /// columns past [`KC`] of Q8_0, and 100 past it of f32, whose last
     /// group is masked: the accumulators are saved and reloaded between
-    /// blocks) and rows whose decoded panels are padded ([`panel_stride`]:
-    /// `k` a multiple of 512, as Gemma 3's down and output projections)
-    /// equal the decode path's and each other's bit for bit in every batch
-    /// and on every instruction set, within rounding of a float64 dot
-    /// product.
+    /// blocks), rows whose decoded panels are padded ([`panel_stride`]:
+    /// `k` a multiple of 1024, as Gemma 3's down and attention output
+    /// projections), and both with several panels per task (the next one
+    /// prefetched) equal the decode path's and each other's bit for bit in
+    /// every batch and on every instruction set, within rounding of a
+    /// float64 dot product.
     #[test]
     fn long_rows_are_bit_identical() {
         if !Isa::available().contains(&Isa::Avx512) {
@@ -1301,17 +1318,25 @@ mod tests {
         }
         let mut rng = StdRng::seed_from_u64(7);
         // Two blocks, and three (a middle block reloads and saves); then
-        // padded panels of one block.
-        for (ty, f16_at, k) in [
-            (GgmlType::Q8_0, &[0][..], KC + 96),
-            (GgmlType::F32, &[], KC + 100),
-            (GgmlType::Q8_0, &[0], 2 * KC + 64),
-            (GgmlType::F32, &[], 2 * KC + 100),
-            (GgmlType::Q5_0, &[0], 2048),
-            (GgmlType::Q4_K, &[0, 2], 1024),
+        // padded panels of one block; then padded panels of two blocks,
+        // several per task.
+        for (ty, f16_at, k, n) in [
+            (GgmlType::Q8_0, &[0][..], KC + 96, 9),
+            (GgmlType::F32, &[], KC + 100, 9),
+            (GgmlType::Q8_0, &[0], 2 * KC + 64, 9),
+            (GgmlType::F32, &[], 2 * KC + 100, 9),
+            (GgmlType::Q5_0, &[0], 2048, 9),
+            (GgmlType::Q4_K, &[0, 2], 1024, 9),
+            (GgmlType::Q8_0, &[0], 3072, 0),
         ] {
-            assert_eq!(panel_stride(k) != k, k % 512 == 0);
-            let n = 9;
+            assert_eq!(panel_stride(k) != k, k % 1024 == 0);
+            // n = 0: enough rows for two panels in every task.
+            let tasks = rayon::current_num_threads().max(1) * TASKS_PER_THREAD;
+            let n = if n == 0 {
+                tasks * (panel_rows(k) + MR)
+            } else {
+                n
+            };
             let data = random_weights(ty, f16_at, n, k, &mut rng);
             let mut wf = vec![f32::NAN; n * k];
             crate::quant::dequantize("w", ty, &data, k, &mut wf).expect("dequantize");
