@@ -50,20 +50,8 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     while let Some(a) = it.next() {
         match a.as_str() {
             "--vs-llama-cpp" => {}
-            "--threads" | "-t" => {
-                threads = it
-                    .next()
-                    .and_then(|v| v.parse().ok())
-                    .filter(|&n: &usize| n > 0)
-                    .context("--threads takes a positive integer")?;
-            }
-            "--rounds" => {
-                rounds = it
-                    .next()
-                    .and_then(|v| v.parse().ok())
-                    .filter(|&n: &usize| n > 0)
-                    .context("--rounds takes a positive integer")?;
-            }
+            "--threads" | "-t" => threads = positive(a, it.next())?,
+            "--rounds" => rounds = positive(a, it.next())?,
             other => bail!(
                 "bench --vs-llama-cpp: unknown argument `{other}` (takes --threads N, --rounds R)"
             ),
@@ -262,6 +250,17 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         NPL.map(|n| n.to_string()).join(","),
     );
     Ok(())
+}
+
+/// The positive integer after flag `flag`; an error naming the flag and
+/// what was given otherwise.
+fn positive(flag: &str, value: Option<&String>) -> anyhow::Result<usize> {
+    let value = value.with_context(|| format!("{flag} takes a positive integer, got nothing"))?;
+    value
+        .parse()
+        .ok()
+        .filter(|&n: &usize| n > 0)
+        .with_context(|| format!("{flag} takes a positive integer, got `{value}`"))
 }
 
 /// `/proc/loadavg`'s three load averages ("unknown" elsewhere).

@@ -34,8 +34,8 @@ fn main() -> anyhow::Result<()> {
                 "usage: cargo xtask <command>\n\n\
                  commands:\n  \
                  test [--gpu]       run every test (fetches the test models first)\n  \
-                 bench [SECTION]    kernels, attention, models, engine and serve benchmarks\n  \
-                 bench --vs-llama-cpp [--threads N] [--rounds R]  te-rs and llama.cpp, same files, same run\n  \
+                 bench [SECTION]    kernels, attention, models, engine, serve, context-parallel\n  \
+                 bench --vs-llama-cpp [--threads N] [--rounds R]  te-rs and llama.cpp, same files, same run (2 threads, 3 rounds)\n  \
                  kernels            compile kernels/*.cu with NVRTC for sm_80 and sm_90\n  \
                  fetch-models       download and verify the test models into $TE_HOME\n  \
                  gpu-bundle         GPU parity test binaries + run.sh for a GPU machine without Rust\n  \
