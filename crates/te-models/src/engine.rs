@@ -53,10 +53,10 @@
 //! and all work is done.
 
 use std::collections::VecDeque;
-
-use rayon::prelude::*;
 use std::sync::mpsc;
 use std::time::Instant;
+
+use rayon::prelude::*;
 
 use te_cache::{CacheLayout, InferenceParams};
 

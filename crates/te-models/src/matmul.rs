@@ -515,6 +515,7 @@ fn product_task(
             panel_product_avx512(x, t, k, wp, ldw, pr, state, out, r0, next);
             continue;
         }
+        // (Only the AVX-512 kernel prefetches; elsewhere `next` is unused.)
         let _ = next;
         panel_product(isa, x, t, k, wp, ldw, pr, out, r0);
     }
