@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use te_cache::CacheLayout;
+use te_engine::engine::{Engine, EngineConfig, Request};
 use te_models::context_parallel::ContextParallel;
-use te_models::engine::{Engine, EngineConfig, Request};
 use te_models::layer::Workspace;
 use te_models::loader::LoadedModel;
 use te_models::model::{Logits, Model};
@@ -35,7 +35,7 @@ fn long_text() -> String {
 }
 
 fn load(model: &str) -> LoadedModel {
-    let source = te_models::hub::resolve_model(model).expect("run `cargo xtask fetch-models`");
+    let source = te_models::source::resolve_model(model).expect("run `cargo xtask fetch-models`");
     te_models::loader::load_model(&source).unwrap()
 }
 

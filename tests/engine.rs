@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use te_models::engine::{Engine, EngineConfig, Event, FinishReason, Request};
+use te_engine::engine::{Engine, EngineConfig, Event, FinishReason, Request};
 use te_models::loader::LoadedModel;
 
 /// English sentences; prompts are cut from a text made of them.
@@ -92,7 +92,8 @@ fn run(engine: &mut Engine, requests: &[Request]) -> Vec<(Vec<u32>, String, Fini
 }
 
 fn memory_pressure(model_name: &str) {
-    let source = te_models::hub::resolve_model(model_name).expect("run `cargo xtask fetch-models`");
+    let source =
+        te_models::source::resolve_model(model_name).expect("run `cargo xtask fetch-models`");
     let loaded = te_models::loader::load_model(&source).unwrap();
     let reqs = requests(&loaded);
     let need: usize = reqs

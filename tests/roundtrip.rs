@@ -36,8 +36,8 @@ impl Drop for TempDir {
 }
 
 fn gguf_path(model: &str) -> String {
-    match te_models::hub::resolve_model(model).expect("run `cargo xtask fetch-models`") {
-        te_models::hub::ModelSource::Gguf(p) => p.display().to_string(),
+    match te_models::source::resolve_model(model).expect("run `cargo xtask fetch-models`") {
+        te_models::source::ModelSource::Gguf(p) => p.display().to_string(),
         other => panic!("{model} resolved to {other:?}"),
     }
 }
@@ -60,7 +60,7 @@ fn check_roundtrip(model: &str) {
     }
 
     // Same resolved config as the GGUF, up to the RoPE convention.
-    let gguf_cfg = te_models::loader::load_config_only(&te_models::hub::ModelSource::Gguf(
+    let gguf_cfg = te_models::loader::load_config_only(&te_models::source::ModelSource::Gguf(
         gguf_path(model).into(),
     ))
     .unwrap();
@@ -281,7 +281,7 @@ fn check_perplexity(model_name: &str, ctx: usize) {
     let file = tmp.path().join("text.txt");
     std::fs::write(&file, text).unwrap();
 
-    let source = te_models::hub::resolve_model(model_name).unwrap();
+    let source = te_models::source::resolve_model(model_name).unwrap();
     let loaded = te_models::loader::load_model(&source).unwrap();
     let tokens = loaded.tokenizer.encode(text, false).unwrap();
     // Windows built here: the tail is dropped; a model that adds BOS gets

@@ -118,8 +118,8 @@ fn gguf_with_strings(kv: &[(&str, &str)]) -> Vec<u8> {
 fn bad_model_files_give_one_line_errors() {
     let dir = std::env::temp_dir().join(format!("te-bad-models-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let real = te_models::hub::resolve_model(MODEL).expect("run `cargo xtask fetch-models`");
-    let te_models::hub::ModelSource::Gguf(real) = real else {
+    let real = te_models::source::resolve_model(MODEL).expect("run `cargo xtask fetch-models`");
+    let te_models::source::ModelSource::Gguf(real) = real else {
         panic!("{MODEL} is a GGUF file")
     };
     let real = std::fs::read(real).unwrap();
@@ -362,8 +362,8 @@ fn output_errors_and_cli_edge_cases() {
 fn inconsistent_real_files_are_refused_by_generate_and_inspect() {
     let dir = std::env::temp_dir().join(format!("te-inconsistent-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let te_models::hub::ModelSource::Gguf(real) =
-        te_models::hub::resolve_model(MODEL).expect("run `cargo xtask fetch-models`")
+    let te_models::source::ModelSource::Gguf(real) =
+        te_models::source::resolve_model(MODEL).expect("run `cargo xtask fetch-models`")
     else {
         panic!("{MODEL} is a GGUF file")
     };

@@ -177,7 +177,8 @@ pub fn check_greedy_batched_with(model: &str, extra: &[&str]) {
 /// Feeding each `top20_*.json`'s `token_ids` gives logits within `atol` of
 /// the reference at every row, with the same argmax.
 pub fn check_top20_files(model_name: &str, atol: f64) {
-    let source = te_models::hub::resolve_model(model_name).expect("run `cargo xtask fetch-models`");
+    let source =
+        te_models::source::resolve_model(model_name).expect("run `cargo xtask fetch-models`");
     let loaded = te_models::loader::load_model(&source).unwrap();
     let model = &loaded.model;
     for name in ["top20_capital.json", "top20_code.json"] {

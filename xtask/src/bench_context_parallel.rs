@@ -93,7 +93,7 @@ pub fn run() -> anyhow::Result<Vec<String>> {
 /// A text of about [`PROMPT_TOKENS`] tokens for the model, in a file under
 /// the target directory.
 fn prompt_file() -> anyhow::Result<std::path::PathBuf> {
-    let source = te_models::hub::resolve_model(MODEL)?;
+    let source = te_models::source::resolve_model(MODEL)?;
     let loaded = te_models::loader::load_model(&source)?;
     let sentence = "The committee met on Tuesdays, and the minutes were always late; \
                     nobody knew why the clock in the hall ran eleven minutes fast. ";

@@ -7,17 +7,17 @@
 use std::time::Instant;
 
 use anyhow::Context;
-use te_models::engine::{Engine, EngineConfig, Request};
+use te_engine::engine::{Engine, EngineConfig, Request};
 
 /// Markdown rows: `| case | prefix caching | prefill s | tokens computed | prefix hits | wall s |`.
 pub fn run(model_name: &str) -> anyhow::Result<Vec<String>> {
-    let source = te_models::hub::resolve_model(model_name)?;
+    let source = te_models::source::resolve_model(model_name)?;
     let loaded =
         te_models::loader::load_model(&source).with_context(|| format!("loading {model_name}"))?;
     let stem = "The committee met on Tuesdays, and the minutes were always late. ".repeat(28);
     let prompts: Vec<Vec<u32>> = (0..16)
         .map(|i| loaded.tokenizer.encode(&format!("{stem}Item {i}:"), true))
-        .collect::<te_models::Result<_>>()?;
+        .collect::<te_tokenizer::Result<_>>()?;
     let mut rows = Vec::new();
     for caching in [false, true] {
         let config = EngineConfig {

@@ -13,8 +13,9 @@
 
 use crate::best_of;
 use rayon::prelude::*;
-use te_models::ops::{Linear, WeightBytes, WeightData};
-use te_models::quant::{dequantize, GgmlType};
+use te_formats::{WeightBytes, WeightData};
+use te_kernels::quant::{dequantize, GgmlType};
+use te_models::ops::Linear;
 
 /// The block types the two test models use, with their f16 field offsets.
 const TYPES: [(GgmlType, &[usize]); 5] = [
@@ -78,7 +79,7 @@ fn read_bandwidth(x: &[f32]) -> f64 {
 /// type at `k` = 2048 from the heap, then Gemma 3's output shape (Q8_0
 /// `[262144, 640]`, 178 MB) read from a file map, as a model's layer
 /// weights are read (the output projection itself is copied into 2 MiB
-/// pages at load, `te_models::gguf::GgufFile::tensor_weight_bytes`).
+/// pages at load, `te_formats::gguf::GgufFile::tensor_weight_bytes`).
 pub fn decode_rows() -> anyhow::Result<Vec<String>> {
     let mut rows = vec![
         "| weights | shape | bytes | t | ms | weights GB/s | read GB/s | % of read |".to_string(),

@@ -7,15 +7,15 @@
 use std::time::Instant;
 
 use anyhow::Context;
-use te_models::engine::{EngineConfig, Request};
-use te_models::generate::{generate, Control};
+use te_engine::engine::{EngineConfig, Request};
+use te_engine::generate::{generate, Control};
 use te_models::model::Logits;
 
 /// Markdown rows: `| model | test | te-rs tok/s |`.
 pub fn run(models: &[&str]) -> anyhow::Result<Vec<String>> {
     let mut rows = Vec::new();
     for &name in models {
-        let source = te_models::hub::resolve_model(name)?;
+        let source = te_models::source::resolve_model(name)?;
         let loaded =
             te_models::loader::load_model(&source).with_context(|| format!("loading {name}"))?;
         let model = &loaded.model;

@@ -81,8 +81,8 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     eprintln!("bench: load average at start: {}", load_average());
     println!("| model | test | llama.cpp | te-rs | te-rs / llama.cpp |\n|---|---|---|---|---|");
     for (i, name) in MODELS.iter().enumerate() {
-        let source = te_models::hub::resolve_model(name)?;
-        let te_models::hub::ModelSource::Gguf(file) = source else {
+        let source = te_models::source::resolve_model(name)?;
+        let te_models::source::ModelSource::Gguf(file) = source else {
             bail!("{name} did not resolve to a GGUF file");
         };
         let file = file.display().to_string();

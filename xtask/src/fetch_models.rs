@@ -1,8 +1,8 @@
 //! `cargo xtask fetch-models`: download and verify every known test model
-//! into `$TE_HOME` (default `~/.cache/te`) with `te_models::hub`.
+//! into `$TE_HOME` (default `~/.cache/te`) with `te_formats::hub`.
 
 use anyhow::Context;
-use te_models::hub;
+use te_formats::hub;
 
 pub fn run(args: &[String]) -> anyhow::Result<()> {
     if let Some(arg) = args.first() {

@@ -58,7 +58,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
 
 /// The cache directory: `$TE_HOME/peers/llama.cpp-<commit>`.
 pub fn cache_dir() -> PathBuf {
-    te_models::hub::te_home()
+    te_formats::hub::te_home()
         .join("peers")
         .join(format!("llama.cpp-{LLAMA_CPP_COMMIT}"))
 }

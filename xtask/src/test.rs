@@ -22,7 +22,7 @@ use anyhow::{bail, Context};
 pub const GPU_TESTS: [(&str, &str); 3] = [
     ("te-kernels", "cuda_parity"),
     ("te-attention", "gpu_parity"),
-    ("te-models", "cuda_model"),
+    ("te-engine", "cuda_model"),
 ];
 
 pub fn run(args: &[String]) -> anyhow::Result<()> {

@@ -40,9 +40,9 @@ use std::io::Write;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use te_models::engine::{Engine, EngineConfig, Event, Request};
+use te_engine::engine::{Engine, EngineConfig, Event, Request};
+use te_engine::sampling::SamplingParams;
 use te_models::model::Model;
-use te_models::sampling::SamplingParams;
 
 /// Most tokens one step feeds in llama-bench mode: llama-bench's default
 /// `n_batch`.
@@ -140,7 +140,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             bail!("-r must be at least 1");
         }
         let threads = args.threads.init()?;
-        let source = te_models::hub::resolve_model(&args.model)?;
+        let source = te_models::source::resolve_model(&args.model)?;
         let info = te_models::inspect::inspect(&source)?;
         let loaded = crate::load_on(&args.model, &args.device)?;
         let desc = ModelDesc::new(&source, &info);
@@ -208,7 +208,7 @@ struct ModelDesc {
 }
 
 impl ModelDesc {
-    fn new(source: &te_models::hub::ModelSource, info: &te_models::inspect::ModelInfo) -> Self {
+    fn new(source: &te_models::source::ModelSource, info: &te_models::inspect::ModelInfo) -> Self {
         let path = source.path();
         // The weight type most tensors have, leaving out the f32 norms.
         let main_type = info
@@ -253,7 +253,7 @@ fn synthetic_prompt(seq: u64, n: usize, vocab: usize, bos: Option<u32>) -> Vec<u
 }
 
 /// The BOS id when the tokenizer adds one to a prompt.
-fn added_bos(tokenizer: &te_models::tokenizer::Tokenizer) -> Option<u32> {
+fn added_bos(tokenizer: &te_tokenizer::tokenizer::Tokenizer) -> Option<u32> {
     let bos = tokenizer.bos_id()?;
     let with = tokenizer.encode("a", true).ok()?;
     (with.first() == Some(&bos)).then_some(bos)
@@ -390,7 +390,7 @@ fn measure(
 
 fn single(
     model: &Model,
-    tokenizer: &te_models::tokenizer::Tokenizer,
+    tokenizer: &te_tokenizer::tokenizer::Tokenizer,
     desc: &ModelDesc,
     tests: &[(usize, usize)],
     reps: usize,
@@ -501,7 +501,7 @@ fn single(
 
 fn batched(
     model: &Model,
-    tokenizer: &te_models::tokenizer::Tokenizer,
+    tokenizer: &te_tokenizer::tokenizer::Tokenizer,
     npp: &[usize],
     ntg: &[usize],
     npl: &[usize],

@@ -2,7 +2,7 @@
 
 use anyhow::bail;
 use te_models::convert::{convert_gguf_to_hf, OutputDtype};
-use te_models::hub::ModelSource;
+use te_models::source::ModelSource;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -49,7 +49,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             existing.join(", ")
         );
     }
-    let path = match te_models::hub::resolve_model(&args.model)? {
+    let path = match te_models::source::resolve_model(&args.model)? {
         ModelSource::Gguf(path) => path,
         ModelSource::HfDir(dir) => bail!(
             "--model {} is already a Hugging Face directory; te convert reads GGUF files",

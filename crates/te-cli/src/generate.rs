@@ -3,12 +3,12 @@
 use std::io::Write;
 
 use anyhow::{bail, Context};
-use te_models::chat::ChatMessage;
+use te_engine::engine::{Engine, EngineConfig, Event, FinishReason, Request};
+use te_engine::sampling::SamplingParams;
 use te_models::context_parallel::ContextParallel;
-use te_models::engine::{Engine, EngineConfig, Event, FinishReason, Request};
 use te_models::loader::LoadedModel;
-use te_models::sampling::SamplingParams;
 use te_ring::Communicator;
+use te_tokenizer::chat::ChatMessage;
 
 #[derive(clap::Args)]
 #[command(allow_negative_numbers = true)]

@@ -20,7 +20,7 @@ fn mib(bytes: u64) -> String {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let mut out = crate::stdout();
-    let source = te_models::hub::resolve_model(&args.model)?;
+    let source = te_models::source::resolve_model(&args.model)?;
     let info = inspect(&source)?;
     // What `te generate` would refuse: printed after the description,
     // and the exit status is 1.

@@ -202,7 +202,7 @@ fn load_on(spec: &str, device: &DeviceArg) -> anyhow::Result<te_models::loader::
 
 /// Resolves and loads `--model`, reporting progress on stderr.
 fn load(spec: &str) -> anyhow::Result<te_models::loader::LoadedModel> {
-    let source = te_models::hub::resolve_model(spec)?;
+    let source = te_models::source::resolve_model(spec)?;
     let start = std::time::Instant::now();
     let loaded = te_models::loader::load_model(&source)?;
     alloc_policy::release_free_memory();

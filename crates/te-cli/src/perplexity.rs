@@ -1,11 +1,11 @@
 //! `te perplexity`: perplexity of a model over a text file, in windows of
 //! `--ctx` tokens scored on their second half, as llama.cpp's
-//! `llama-perplexity` (see `te_models::perplexity` for the exact method).
+//! `llama-perplexity` (see `te_engine::perplexity` for the exact method).
 
 use std::io::Write;
 
 use anyhow::Context;
-use te_models::perplexity::{default_batch_windows, perplexity, PerplexityParams};
+use te_engine::perplexity::{default_batch_windows, perplexity, PerplexityParams};
 
 #[derive(clap::Args)]
 pub struct Args {

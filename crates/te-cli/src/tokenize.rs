@@ -21,7 +21,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let source = te_models::hub::resolve_model(&args.model)?;
+    let source = te_models::source::resolve_model(&args.model)?;
     let tokenizer = te_models::loader::load_tokenizer(&source)?;
     let ids = tokenizer
         .encode(&args.text, !args.no_parse_special)

@@ -26,6 +26,12 @@ pub enum KernelError {
         position: usize,
         max_positions: usize,
     },
+    /// A stored tensor's data does not fit its declared type and shape.
+    #[error("tensor `{tensor}`: {reason}")]
+    Tensor { tensor: String, reason: String },
+    /// A GGML tensor type this crate cannot decode.
+    #[error("tensor `{tensor}`: unsupported GGUF tensor type ({type_name})")]
+    UnsupportedQuantization { tensor: String, type_name: String },
     /// The CUDA driver, NVRTC or a launch failed, or no GPU is present.
     #[error("cuda: {0}")]
     Cuda(String),

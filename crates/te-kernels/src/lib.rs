@@ -27,13 +27,17 @@
 //! attention; every op validates its arguments up front and returns
 //! [`KernelError`] naming the offending argument, never panics on bad input.
 
+pub mod activation;
 pub mod cuda;
 pub mod element;
 pub mod error;
 pub mod format;
 pub mod kv_save;
 pub mod kv_view;
+pub mod matmul;
 pub mod nd;
+pub mod norm;
+pub mod quant;
 pub mod rope;
 
 pub use ndarray;

@@ -48,14 +48,7 @@ impl Architecture {
     }
 }
 
-/// Feed-forward activation of the gated MLP `down(act(gate(x)) * up(x))`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Activation {
-    /// SiLU (SwiGLU), Llama.
-    Silu,
-    /// GELU, tanh approximation (GeGLU), Gemma.
-    GeluTanh,
-}
+pub use te_kernels::activation::Activation;
 
 /// Everything the forward pass needs, resolved.
 #[derive(Clone, Debug, PartialEq)]

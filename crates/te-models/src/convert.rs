@@ -34,9 +34,9 @@ use serde_json::{json, Value};
 use te_kernels::rope::{RopeConvention, RopeScaling};
 
 use crate::config::{Activation, Architecture, ModelConfig};
-use crate::hub::ModelSource;
 use crate::loader::{load_model, LoadedModel};
 use crate::ops::Linear;
+use crate::source::ModelSource;
 use crate::weights::{NameScheme, TensorNames};
 use crate::{ModelError, Result};
 

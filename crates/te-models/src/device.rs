@@ -16,9 +16,11 @@
 use te_attention::AttentionWorkspace;
 use te_kernels::rope::{apply_rope_cpu, RopeArgs, RopeTable};
 
-use crate::activation::gated_act_inplace;
 use crate::config::Activation;
-use crate::ops::{add_inplace, rms_norm_inplace, rms_norm_into, Linear};
+use te_kernels::activation::gated_act_inplace;
+use te_kernels::norm::{add_inplace, rms_norm_inplace, rms_norm_into};
+
+use crate::ops::Linear;
 use crate::{ModelError, Result};
 
 /// The ops of one device. Every buffer argument holds f32 values in the

@@ -80,5 +80,38 @@ fn invalid_message(path: &std::path::Path, problems: &[String]) -> String {
     }
 }
 
+/// A file read's error as the same kind of te-models error (the same
+/// message).
+impl From<te_formats::FormatError> for ModelError {
+    fn from(e: te_formats::FormatError) -> Self {
+        use te_formats::FormatError as F;
+        match e {
+            F::Io { path, error } => ModelError::Io { path, error },
+            F::Format { path, reason } => ModelError::Format { path, reason },
+            F::Config { field, reason } => ModelError::Config { field, reason },
+            F::Tensor { tensor, reason } => ModelError::Tensor { tensor, reason },
+            F::UnsupportedQuantization { tensor, type_name } => {
+                ModelError::UnsupportedQuantization { tensor, type_name }
+            }
+            F::Resolve { model, reason } => ModelError::Resolve { model, reason },
+        }
+    }
+}
+
+/// A tokenizer's error as the same kind of te-models error (the same
+/// message).
+impl From<te_tokenizer::TokenizerError> for ModelError {
+    fn from(e: te_tokenizer::TokenizerError) -> Self {
+        use te_tokenizer::TokenizerError as T;
+        match e {
+            T::Io { path, error } => ModelError::Io { path, error },
+            T::Format { path, reason } => ModelError::Format { path, reason },
+            T::Config { field, reason } => ModelError::Config { field, reason },
+            T::Tokenizer(reason) => ModelError::Tokenizer(reason),
+            T::Input(reason) => ModelError::Request(reason),
+        }
+    }
+}
+
 /// Result alias of te-models.
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;

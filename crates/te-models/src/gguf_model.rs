@@ -10,72 +10,8 @@
 use te_kernels::rope::{RopeConvention, RopeScaling};
 
 use crate::config::{plausible_layers, Activation, Architecture, ModelConfig};
-use crate::gguf::GgufFile;
-use crate::ops::WeightData;
-use crate::weights::{StoredTensor, TensorSource};
 use crate::{ModelError, Result};
-
-impl TensorSource for GgufFile {
-    fn stored_tensors(&self) -> Vec<StoredTensor> {
-        self.tensors()
-            .iter()
-            .map(|t| StoredTensor {
-                name: t.name.clone(),
-                shape: t.shape(),
-                dtype: t.ggml_type.name(),
-                unreadable: (!t.ggml_type.can_dequantize()).then(|| {
-                    format!(
-                        "unsupported GGUF tensor type ({}; te-rs reads F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K)",
-                        t.ggml_type.name()
-                    )
-                }),
-            })
-            .collect()
-    }
-
-    fn origin(&self) -> &std::path::Path {
-        self.path()
-    }
-
-    fn load(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
-        let info = self.tensor_info(name).ok_or_else(|| ModelError::Tensor {
-            tensor: name.to_string(),
-            reason: format!("missing from {}", self.path().display()),
-        })?;
-        let shape = info.shape();
-        Ok((shape, self.dequantize(name)?))
-    }
-
-    fn contains(&self, name: &str) -> bool {
-        self.tensor_info(name).is_some()
-    }
-
-    fn load_matrix(&self, name: &str) -> Result<(Vec<usize>, WeightData)> {
-        let info = self.tensor_info(name).ok_or_else(|| ModelError::Tensor {
-            tensor: name.to_string(),
-            reason: format!("missing from {}", self.path().display()),
-        })?;
-        let blocked = info.ggml_type.can_dequantize()
-            && info
-                .ggml_type
-                .block_layout()
-                .is_some_and(|(len, _)| len > 1);
-        if blocked {
-            // Read in place from the file map: no copy of the weights.
-            let data = self.tensor_weight_bytes(info)?;
-            Ok((
-                info.shape(),
-                WeightData::Quantized {
-                    ty: info.ggml_type,
-                    data,
-                },
-            ))
-        } else {
-            let (shape, data) = self.load(name)?;
-            Ok((shape, WeightData::F32(data)))
-        }
-    }
-}
+use te_formats::gguf::GgufFile;
 
 /// Whether some `blk.N.<role>.bias` tensor with `role` in `roles` exists
 /// (llama.cpp's optional projection biases).

@@ -8,12 +8,14 @@ use serde_json::{json, Value};
 
 use crate::config::ModelConfig;
 use crate::convert::f32_json;
-use crate::gguf::GgufFile;
-use crate::hf::SafetensorsSource;
-use crate::hub::ModelSource;
 use crate::loader::{load_config_only, load_tokenizer, merge_eos};
+use crate::source::ModelSource;
 use crate::validate;
-use crate::weights::{NameScheme, TensorSource};
+use te_formats::gguf::GgufFile;
+use te_formats::safetensors::SafetensorsSource;
+use te_formats::TensorSource;
+
+use crate::weights::NameScheme;
 use crate::Result;
 
 /// Bytes of one f32: te-rs holds weights and the KV cache in f32.
@@ -31,7 +33,7 @@ pub struct ModelInfo {
     /// Stored tensors per type: GGUF type names (`"Q4_K"`, `"F32"`) or
     /// safetensors dtypes (`"BF16"`).
     pub tensor_dtypes: BTreeMap<String, usize>,
-    /// [`crate::tokenizer::Tokenizer::kind`].
+    /// [`te_tokenizer::Tokenizer::kind`].
     pub tokenizer_kind: String,
     /// Tokenizer vocabulary including added tokens.
     pub tokenizer_vocab_size: usize,

@@ -18,31 +18,21 @@
 //! file map) and are decoded inside the matrix kernels ([`ops::Linear`]),
 //! other weights are f32; errors name the file, tensor or field at fault.
 
-pub mod activation;
-pub mod chat;
 pub mod config;
 pub mod context_parallel;
 pub mod convert;
 pub mod cuda;
 pub mod device;
-pub mod engine;
 pub mod error;
-pub mod generate;
-pub mod gguf;
 pub mod gguf_model;
 pub mod hf;
-pub mod hub;
 pub mod inspect;
 pub mod layer;
 pub mod loader;
-pub mod matmul;
 pub mod model;
 pub mod ops;
-pub mod perplexity;
-pub mod quant;
 pub mod random;
-pub mod sampling;
-pub mod tokenizer;
+pub mod source;
 pub mod validate;
 pub mod weights;
 

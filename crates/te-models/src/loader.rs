@@ -1,14 +1,18 @@
 //! From a [`ModelSource`] to a runnable [`Model`] and its [`Tokenizer`].
 
 use crate::config::ModelConfig;
-use crate::gguf::GgufFile;
 use crate::gguf_model::config_from_gguf;
-use crate::hf::{load_config, SafetensorsSource};
-use crate::hub::ModelSource;
+use te_formats::gguf::GgufFile;
+use te_formats::safetensors::SafetensorsSource;
+
+use crate::hf::load_config;
 use crate::model::Model;
-use crate::tokenizer::Tokenizer;
+use crate::source::ModelSource;
 use crate::validate;
-use crate::weights::{ModelWeights, NameScheme, TensorSource};
+use te_formats::TensorSource;
+use te_tokenizer::Tokenizer;
+
+use crate::weights::{ModelWeights, NameScheme};
 use crate::{ModelError, Result};
 
 /// A model with its tokenizer.
@@ -29,8 +33,8 @@ pub fn load_config_only(source: &ModelSource) -> Result<ModelConfig> {
 /// Loads only the tokenizer of `source`.
 pub fn load_tokenizer(source: &ModelSource) -> Result<Tokenizer> {
     match source {
-        ModelSource::Gguf(path) => Tokenizer::from_gguf(&GgufFile::open(path)?),
-        ModelSource::HfDir(dir) => Tokenizer::from_file(&dir.join("tokenizer.json")),
+        ModelSource::Gguf(path) => Ok(Tokenizer::from_gguf(&GgufFile::open(path)?)?),
+        ModelSource::HfDir(dir) => Ok(Tokenizer::from_file(&dir.join("tokenizer.json"))?),
         ModelSource::Random(random) => random.tokenizer(),
     }
 }

@@ -26,19 +26,22 @@
 //! [`Tokenizer::bytes`]: each UTF-8 byte of a prompt is one token, and
 //! every other id decodes as `<ID>`.
 
-use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use half::bf16;
 use rayon::prelude::*;
 
 use crate::config::ModelConfig;
-use crate::hf::{config_from_json_text, read_json};
-use crate::ops::WeightData;
-use crate::quant::GgmlType;
-use crate::tokenizer::Tokenizer;
+use te_formats::hf_config::read_json;
+
+use crate::hf::config_from_json_text;
 use crate::validate::expected_tensors;
-use crate::weights::{NameScheme, StoredTensor, TensorSource};
+use te_formats::WeightData;
+use te_formats::{StoredTensor, TensorSource};
+use te_kernels::quant::GgmlType;
+use te_tokenizer::Tokenizer;
+
+use crate::weights::NameScheme;
 use crate::{ModelError, Result};
 
 /// A built-in config for `random:<name>`: Hugging Face `config.json` text.
@@ -290,7 +293,11 @@ impl RandomModel {
     /// Errors: those of [`Self::load_config`] and [`Tokenizer::bytes`].
     pub fn tokenizer(&self) -> Result<Tokenizer> {
         let cfg = self.load_config()?;
-        Tokenizer::bytes(cfg.vocab_size, cfg.bos_token_id, &cfg.eos_token_ids)
+        Ok(Tokenizer::bytes(
+            cfg.vocab_size,
+            cfg.bos_token_id,
+            &cfg.eos_token_ids,
+        )?)
     }
 
     /// The tensors of `cfg` (the config from [`Self::load_config`]),
@@ -375,14 +382,13 @@ impl Draw {
 }
 
 impl RandomTensors {
-    fn find(&self, name: &str) -> Result<&StoredTensor> {
-        self.tensors
-            .iter()
-            .find(|t| t.name == name)
-            .ok_or_else(|| ModelError::Tensor {
+    fn find(&self, name: &str) -> te_formats::Result<&StoredTensor> {
+        self.tensors.iter().find(|t| t.name == name).ok_or_else(|| {
+            te_formats::FormatError::Tensor {
                 tensor: name.to_string(),
                 reason: format!("not a tensor of {}", self.origin.display()),
-            })
+            }
+        })
     }
 
     fn draw(&self, t: &StoredTensor) -> Draw {
@@ -414,7 +420,7 @@ impl RandomTensors {
 
 impl TensorSource for RandomTensors {
     /// The tensor's values as stored: bf16-rounded for a bf16 model.
-    fn load(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+    fn load(&self, name: &str) -> te_formats::Result<(Vec<usize>, Vec<f32>)> {
         let t = self.find(name)?;
         let draw = self.draw(t);
         let chunk = Self::chunk(t);
@@ -435,7 +441,7 @@ impl TensorSource for RandomTensors {
 
     /// A bf16 model's matrices stay bf16 (GGUF type BF16 rows, converted
     /// when used); the same values [`Self::load`] gives.
-    fn load_matrix(&self, name: &str) -> Result<(Vec<usize>, WeightData)> {
+    fn load_matrix(&self, name: &str) -> te_formats::Result<(Vec<usize>, WeightData)> {
         if self.dtype == RandomDtype::F32 {
             let (shape, data) = self.load(name)?;
             return Ok((shape, WeightData::F32(data)));
@@ -471,18 +477,6 @@ impl TensorSource for RandomTensors {
     fn origin(&self) -> &Path {
         &self.origin
     }
-}
-
-/// The 256 byte tokens' ids for a vocabulary of `vocab_size` whose
-/// `specials` (BOS, EOS) keep their ids: the first 256 ids not special,
-/// in byte order. `None` when the vocabulary is too small.
-pub fn byte_token_ids(vocab_size: usize, specials: &[u32]) -> Option<Vec<u32>> {
-    let specials: HashSet<u32> = specials.iter().copied().collect();
-    let ids: Vec<u32> = (0..vocab_size as u32)
-        .filter(|id| !specials.contains(id))
-        .take(256)
-        .collect();
-    (ids.len() == 256).then_some(ids)
 }
 
 #[cfg(test)]
@@ -580,9 +574,9 @@ mod tests {
 
     #[test]
     fn byte_ids_skip_specials() {
-        let ids = byte_token_ids(300, &[1, 2]).unwrap();
+        let ids = te_tokenizer::byte_token_ids(300, &[1, 2]).unwrap();
         assert_eq!(&ids[..3], &[0, 3, 4]);
         assert_eq!(ids[255], 257);
-        assert!(byte_token_ids(257, &[0, 1]).is_none());
+        assert!(te_tokenizer::byte_token_ids(257, &[0, 1]).is_none());
     }
 }

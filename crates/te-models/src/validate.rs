@@ -32,9 +32,11 @@ use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 
 use crate::config::{Architecture, ModelConfig};
-use crate::gguf::GgufFile;
-use crate::tokenizer::Tokenizer;
-use crate::weights::{NameScheme, TensorNames, TensorSource};
+use te_formats::gguf::GgufFile;
+use te_formats::TensorSource;
+use te_tokenizer::Tokenizer;
+
+use crate::weights::{NameScheme, TensorNames};
 use crate::{ModelError, Result};
 
 /// One tensor a model of a given config reads.
@@ -405,7 +407,7 @@ pub fn gguf_metadata_problems(file: &GgufFile, cfg: &ModelConfig) -> Vec<String>
             }
         }
     }
-    if let (Some(rows), Some(crate::gguf::GgufValue::Array(tokens))) =
+    if let (Some(rows), Some(te_formats::gguf::GgufValue::Array(tokens))) =
         (rows, file.metadata("tokenizer.ggml.tokens"))
     {
         if tokens.len() != rows {

@@ -3,46 +3,13 @@
 //! [`crate::validate`] has checked the tensors against the config.
 
 use std::collections::HashMap;
-use std::path::Path;
 
 use crate::config::{Architecture, ModelConfig};
-use crate::ops::{Linear, WeightData};
+use te_formats::TensorSource;
+
+use crate::ops::Linear;
 use crate::validate::{check_tensors, expected_tensors};
 use crate::{ModelError, Result};
-
-/// One stored tensor as its file's header declares it (no data read).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct StoredTensor {
-    /// The name in the file.
-    pub name: String,
-    /// Row-major shape, outermost first.
-    pub shape: Vec<usize>,
-    /// The stored type: a GGUF type name (`Q4_K`, `id 99`) or a
-    /// safetensors dtype (`BF16`).
-    pub dtype: String,
-    /// Why te-rs cannot read this tensor's type, when it cannot.
-    pub unreadable: Option<String>,
-}
-
-/// Where tensors come from: a GGUF file or a Hugging Face safetensors
-/// directory. Every tensor is returned dequantized to f32, row-major, with
-/// its shape outermost first (`[out_features, in_features]` for a matrix).
-pub trait TensorSource {
-    /// Loads `name`; `ModelError::Tensor` naming it when missing or unreadable.
-    fn load(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)>;
-    /// Whether the source has a tensor called `name`.
-    fn contains(&self, name: &str) -> bool;
-    /// Loads a matrix for a [`Linear`]: f32 by default; a GGUF source keeps
-    /// block-quantized tensors as stored.
-    fn load_matrix(&self, name: &str) -> Result<(Vec<usize>, WeightData)> {
-        let (shape, data) = self.load(name)?;
-        Ok((shape, WeightData::F32(data)))
-    }
-    /// Every stored tensor's header entry, in file order.
-    fn stored_tensors(&self) -> Vec<StoredTensor>;
-    /// The file or directory the tensors come from (named in errors).
-    fn origin(&self) -> &Path;
-}
 
 /// Tensor names of one file format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -15,10 +15,10 @@ mod tiny_gguf;
 use std::sync::Mutex;
 
 use proptest::prelude::*;
-use te_models::gguf::GgufFile;
-use te_models::hub::ModelSource;
+use te_formats::gguf::GgufFile;
 use te_models::inspect::inspect;
 use te_models::loader::load_parts;
+use te_models::source::ModelSource;
 
 #[global_allocator]
 static ALLOC: alloc_counter::Counting = alloc_counter::Counting;

@@ -11,11 +11,11 @@ use std::collections::BTreeMap;
 
 use serde_json::Value;
 use te_cache::CacheLayout;
-use te_models::hub::{resolve_model, ModelSource};
+use te_formats::TensorSource;
 use te_models::loader::load_model;
 use te_models::model::Logits;
 use te_models::random::{RandomModel, PRESETS};
-use te_models::weights::TensorSource;
+use te_models::source::{resolve_model, ModelSource};
 use tiny::{assert_rows_match, chunked, run_schedule, Family, RopeScaling, Spec, WindowEncoding};
 
 const TINY: [&str; 4] = ["tiny-llama", "tiny-gemma", "tiny-gemma2", "tiny-gemma3"];

@@ -8,12 +8,11 @@
 mod tiny;
 mod tiny_gguf;
 
-use te_models::gguf::GgufFile;
-use te_models::hub::ModelSource;
+use te_formats::gguf::GgufFile;
 use te_models::inspect::inspect;
 use te_models::loader::{load_model, load_parts};
-use te_models::tokenizer::Tokenizer;
-use te_models::ModelError;
+use te_models::source::ModelSource;
+use te_tokenizer::tokenizer::Tokenizer;
 use tiny::{Checkpoint, Spec};
 use tiny_gguf::{add_biases, tiny_llama, Gguf, TempFile, Value};
 
@@ -172,7 +171,7 @@ fn relabelled_tensor_types_are_refused() {
         let f = TempFile::new("relabel", &b);
         let e = GgufFile::open(&f.path).expect_err("relabelled type opens");
         let msg = e.to_string();
-        assert!(matches!(e, ModelError::Format { .. }), "{msg}");
+        assert!(matches!(e, te_formats::FormatError::Format { .. }), "{msg}");
         for n in ["blk.1.attn_k.weight", "blk.1.attn_v.weight", word] {
             assert!(msg.contains(n), "type {ty}: `{n}` missing from {msg}");
         }

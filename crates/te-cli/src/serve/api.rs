@@ -16,8 +16,8 @@
 //! it does not know are ignored.
 
 use serde_json::{Map, Value};
-use te_models::chat::ChatMessage;
-use te_models::sampling::SamplingParams;
+use te_engine::sampling::SamplingParams;
+use te_tokenizer::chat::ChatMessage;
 
 use super::error::ApiError;
 

@@ -36,7 +36,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use te_models::engine::{channel, Engine, EngineConfig};
+use te_engine::engine::{channel, Engine, EngineConfig};
 use tokio::sync::watch;
 
 use routes::AppState;

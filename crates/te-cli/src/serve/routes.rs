@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use serde_json::json;
-use te_models::engine::EngineHandle;
+use te_engine::engine::EngineHandle;
 use te_models::loader::LoadedModel;
 use tokio::sync::watch;
 

@@ -43,7 +43,9 @@ pub use storage::{CudaKvStorage, KvStore};
 
 use crate::layer::{Layer, Qkv, Rows};
 use crate::model::{Logits, Model, ModelBufs, RopeTables};
-use crate::ops::{Linear, WeightData};
+use te_formats::WeightData;
+
+use crate::ops::Linear;
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
 use ops::cuda_err;

@@ -559,7 +559,7 @@ impl Drop for Checkpoint {
 /// `Model::new`, as a Hugging Face directory is loaded.
 pub fn load_dir(dir: &Path) -> te_models::Result<Model> {
     let cfg = te_models::hf::load_config(dir)?;
-    let src = te_models::hf::SafetensorsSource::open(dir)?;
+    let src = te_formats::safetensors::SafetensorsSource::open(dir)?;
     let norm_offset = if cfg.architecture.is_gemma() {
         1.0
     } else {

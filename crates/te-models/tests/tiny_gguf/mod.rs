@@ -3,7 +3,7 @@
 //! Q8_0, Q4_0 and Q4_1), with a record of where each header field lies so
 //! that tests can mutate one field precisely.
 //!
-//! Layout as in `te_models::gguf`'s doc: header, metadata, tensor infos,
+//! Layout as in `te_formats::gguf`'s doc: header, metadata, tensor infos,
 //! padding to 32, tensor data each at the aligned end of the one before.
 
 #![allow(dead_code)]

@@ -5,9 +5,9 @@
 use std::path::PathBuf;
 
 use proptest::prelude::*;
-use te_models::gguf::{GgufFile, GgufValue};
-use te_models::quant::GgmlType;
-use te_models::ModelError;
+use te_formats::gguf::{GgufFile, GgufValue};
+use te_formats::FormatError;
+use te_kernels::quant::GgmlType;
 
 /// A little-endian GGUF writer following the layout in `gguf.rs`'s doc.
 #[derive(Default)]
@@ -78,7 +78,7 @@ fn temp_file(tag: &str, bytes: &[u8]) -> PathBuf {
 }
 
 /// Opens `bytes` as a file; returns the result with the file removed.
-fn open_bytes(tag: &str, bytes: &[u8]) -> Result<GgufFile, ModelError> {
+fn open_bytes(tag: &str, bytes: &[u8]) -> Result<GgufFile, FormatError> {
     let path = temp_file(tag, bytes);
     let result = GgufFile::open(&path);
     std::fs::remove_file(&path).unwrap();
@@ -88,7 +88,7 @@ fn open_bytes(tag: &str, bytes: &[u8]) -> Result<GgufFile, ModelError> {
 /// Expects a `Format` error naming the file whose reason contains `needle`.
 fn expect_format_error(tag: &str, bytes: &[u8], needle: &str) {
     match open_bytes(tag, bytes) {
-        Err(ModelError::Format { path, reason }) => {
+        Err(FormatError::Format { path, reason }) => {
             assert!(path.to_string_lossy().contains(tag), "{path:?}");
             assert!(reason.contains(needle), "`{reason}` lacks `{needle}`");
         }
@@ -167,7 +167,7 @@ fn typed_getters_name_the_key() {
         f.get_f32_array("general.architecture").unwrap_err(),
         f.get_u32("llama.missing").unwrap_err(),
     ] {
-        assert!(matches!(err, ModelError::Config { .. }), "{err}");
+        assert!(matches!(err, FormatError::Config { .. }), "{err}");
         let msg = err.to_string();
         assert!(
             msg.contains("general.architecture") || msg.contains("llama."),
@@ -177,7 +177,7 @@ fn typed_getters_name_the_key() {
     // -3 does not fit a u32 array, but the getter for i32 works.
     assert!(f.get_str_array("tokenizer.ggml.token_type").is_err());
     let err = f.dequantize("output.weight").unwrap_err();
-    assert!(matches!(err, ModelError::Tensor { .. }) && err.to_string().contains("output.weight"));
+    assert!(matches!(err, FormatError::Tensor { .. }) && err.to_string().contains("output.weight"));
 }
 
 #[test]
@@ -185,7 +185,7 @@ fn every_truncation_is_a_format_error() {
     let bytes = sample().bytes();
     for len in 0..bytes.len() {
         match open_bytes("trunc", &bytes[..len]) {
-            Err(ModelError::Format { .. }) => {}
+            Err(FormatError::Format { .. }) => {}
             other => panic!("truncated to {len} bytes: expected a Format error, got {other:?}"),
         }
     }
@@ -277,7 +277,7 @@ fn unknown_tensor_types_open_but_cannot_be_read() {
     assert_eq!(info.ggml_type, GgmlType::Other(99));
     let err = f.dequantize("iq").unwrap_err();
     assert!(
-        matches!(err, ModelError::UnsupportedQuantization { .. }),
+        matches!(err, FormatError::UnsupportedQuantization { .. }),
         "{err}"
     );
     assert!(
@@ -302,7 +302,7 @@ proptest! {
                     let _ = f.dequantize(&t.name);
                 }
             }
-            Err(ModelError::Format { .. }) => {}
+            Err(FormatError::Format { .. }) => {}
             Err(e) => prop_assert!(false, "unexpected error {e}"),
         }
     }

@@ -23,8 +23,8 @@
 
 use te_cache::CacheLayout;
 
-use crate::model::{Logits, Model};
-use crate::{ModelError, Result};
+use te_models::model::{Logits, Model};
+use te_models::{ModelError, Result};
 
 /// Settings of [`perplexity`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

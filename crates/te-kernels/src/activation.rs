@@ -17,8 +17,16 @@
 
 use rayon::prelude::*;
 
-use crate::config::Activation;
-use crate::ops::SERIAL_MAX;
+use crate::norm::SERIAL_MAX;
+
+/// Feed-forward activation of the gated MLP `down(act(gate(x)) * up(x))`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// SiLU (SwiGLU), Llama.
+    Silu,
+    /// GELU, tanh approximation (GeGLU), Gemma.
+    GeluTanh,
+}
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 /// `ln 2 = LN2_HI + LN2_LO`; `LN2_HI` has 9 significant bits.
@@ -85,7 +93,7 @@ pub fn gelu_tanh(x: f32) -> f32 {
 
 /// `g[i] = act(g[i]) · u[i]` for every `i` (`g` and `u` of one length:
 /// `[rows, intermediate_size]` gate and up projections), on the pool
-/// above 16384 values (`ops::SERIAL_MAX`).
+/// above 16384 values ([`SERIAL_MAX`]).
 pub fn gated_act_inplace(act: Activation, g: &mut [f32], u: &[f32]) {
     assert_eq!(g.len(), u.len(), "gated_act_inplace: gate and up lengths");
     /// Values per parallel task (a multiple of 16).

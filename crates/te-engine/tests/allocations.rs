@@ -5,12 +5,13 @@
 //! pool, as the model's parallel ops would be in a server's engine thread,
 //! so that rayon's own job queue does not allocate per parallel call).
 
+#[path = "../../te-models/tests/tiny/mod.rs"]
 mod tiny;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use te_models::engine::{Engine, EngineConfig, Request};
+use te_engine::engine::{Engine, EngineConfig, Request};
 use tiny::{Checkpoint, Spec};
 
 struct Counting;

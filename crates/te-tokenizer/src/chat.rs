@@ -15,7 +15,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use minijinja::{context, Environment, Error, ErrorKind, Value};
 
-use crate::error::{ModelError, Result};
+use crate::{Result, TokenizerError};
 
 /// One turn of a conversation.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -41,7 +41,7 @@ impl ChatMessage {
 /// when it has none). The result contains special-token text (e.g.
 /// `<|im_start|>`): encode it with special tokens parsed.
 ///
-/// Errors: [`ModelError::Tokenizer`] naming the template problem (syntax
+/// Errors: [`TokenizerError::Tokenizer`] naming the template problem (syntax
 /// error, a `raise_exception` from the template, an unknown filter).
 pub fn apply_chat_template(
     template: &str,
@@ -50,7 +50,7 @@ pub fn apply_chat_template(
     bos_token: &str,
     eos_token: &str,
 ) -> Result<String> {
-    let err = |e: Error| ModelError::Tokenizer(format!("chat template: {e}"));
+    let err = |e: Error| TokenizerError::Tokenizer(format!("chat template: {e}"));
     let mut env = Environment::new();
     minijinja_contrib::add_to_environment(&mut env);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);

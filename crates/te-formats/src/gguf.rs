@@ -18,7 +18,7 @@
 //!
 //! Every count and length is checked against the bytes left in the file
 //! before anything is allocated, so truncated or hostile files give
-//! [`ModelError::Format`] naming the file, never a panic or a huge allocation.
+//! [`FormatError::Format`] naming the file, never a panic or a huge allocation.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -27,8 +27,10 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 
-use crate::error::{ModelError, Result};
-use crate::quant::{self, GgmlType};
+use te_kernels::quant::{self, GgmlType};
+
+use crate::tensor::{StoredTensor, TensorSource, WeightBytes, WeightData};
+use crate::{FormatError, Result};
 
 /// The most dimensions a GGML tensor has.
 const MAX_DIMS: u32 = 4;
@@ -143,7 +145,7 @@ impl TensorInfo {
 pub struct GgufFile {
     path: PathBuf,
     /// Shared with the quantized weights loaded from it
-    /// ([`crate::ops::WeightBytes`]), which read the map in place.
+    /// ([`WeightBytes`]), which read the map in place.
     mmap: Arc<Mmap>,
     version: u32,
     metadata: Vec<(String, GgufValue)>,
@@ -157,8 +159,8 @@ pub struct GgufFile {
 impl GgufFile {
     /// Opens and parses a GGUF file (versions 2 and 3).
     ///
-    /// Errors: [`ModelError::Io`] when the file cannot be read,
-    /// [`ModelError::Format`] (naming the file and the problem) for a bad
+    /// Errors: [`FormatError::Io`] when the file cannot be read,
+    /// [`FormatError::Format`] (naming the file and the problem) for a bad
     /// magic, an unsupported version, truncation, absurd counts or lengths,
     /// duplicate names, or tensor data that lies outside the file, is not
     /// aligned, or does not start where the previous tensor's ends (so
@@ -166,7 +168,7 @@ impl GgufFile {
     /// refused).
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
         let path = path.as_ref().to_path_buf();
-        let io = |error| ModelError::Io {
+        let io = |error| FormatError::Io {
             path: path.clone(),
             error,
         };
@@ -327,21 +329,21 @@ impl GgufFile {
     }
 
     fn required(&self, key: &str) -> Result<&GgufValue> {
-        self.metadata(key).ok_or_else(|| ModelError::Config {
+        self.metadata(key).ok_or_else(|| FormatError::Config {
             field: key.to_string(),
             reason: format!("missing from {}", self.path.display()),
         })
     }
 
-    fn mismatch(key: &str, want: &str, got: &GgufValue) -> ModelError {
-        ModelError::Config {
+    fn mismatch(key: &str, want: &str, got: &GgufValue) -> FormatError {
+        FormatError::Config {
             field: key.to_string(),
             reason: format!("expected {want}, found {}", got.type_name()),
         }
     }
 
     /// A required non-negative integer (any integer width) that fits in u32.
-    /// Errors: [`ModelError::Config`] naming `key` when missing or mistyped.
+    /// Errors: [`FormatError::Config`] naming `key` when missing or mistyped.
     pub fn get_u32(&self, key: &str) -> Result<u32> {
         let v = self.required(key)?;
         v.as_u64()
@@ -350,7 +352,7 @@ impl GgufFile {
     }
 
     /// A required non-negative integer (any integer width).
-    /// Errors: [`ModelError::Config`] naming `key` when missing or mistyped.
+    /// Errors: [`FormatError::Config`] naming `key` when missing or mistyped.
     pub fn get_u64(&self, key: &str) -> Result<u64> {
         let v = self.required(key)?;
         v.as_u64()
@@ -358,7 +360,7 @@ impl GgufFile {
     }
 
     /// A required float (f32, f64, or an integer, converted to f32).
-    /// Errors: [`ModelError::Config`] naming `key` when missing or mistyped.
+    /// Errors: [`FormatError::Config`] naming `key` when missing or mistyped.
     pub fn get_f32(&self, key: &str) -> Result<f32> {
         let v = self.required(key)?;
         v.as_f64()
@@ -367,7 +369,7 @@ impl GgufFile {
     }
 
     /// A required bool.
-    /// Errors: [`ModelError::Config`] naming `key` when missing or mistyped.
+    /// Errors: [`FormatError::Config`] naming `key` when missing or mistyped.
     pub fn get_bool(&self, key: &str) -> Result<bool> {
         match self.required(key)? {
             GgufValue::Bool(b) => Ok(*b),
@@ -376,7 +378,7 @@ impl GgufFile {
     }
 
     /// A required string.
-    /// Errors: [`ModelError::Config`] naming `key` when missing or mistyped.
+    /// Errors: [`FormatError::Config`] naming `key` when missing or mistyped.
     pub fn get_str(&self, key: &str) -> Result<&str> {
         match self.required(key)? {
             GgufValue::String(s) => Ok(s),
@@ -392,7 +394,7 @@ impl GgufFile {
     }
 
     /// A required array of strings (borrowed).
-    /// Errors: [`ModelError::Config`] naming `key` when missing or mistyped.
+    /// Errors: [`FormatError::Config`] naming `key` when missing or mistyped.
     pub fn get_str_array(&self, key: &str) -> Result<Vec<&str>> {
         self.get_array(key)?
             .iter()
@@ -404,7 +406,7 @@ impl GgufFile {
     }
 
     /// A required array of numbers, as f32.
-    /// Errors: [`ModelError::Config`] naming `key` when missing or mistyped.
+    /// Errors: [`FormatError::Config`] naming `key` when missing or mistyped.
     pub fn get_f32_array(&self, key: &str) -> Result<Vec<f32>> {
         self.get_array(key)?
             .iter()
@@ -417,7 +419,7 @@ impl GgufFile {
     }
 
     /// A required array of integers that fit in i32.
-    /// Errors: [`ModelError::Config`] naming `key` when missing or mistyped.
+    /// Errors: [`FormatError::Config`] naming `key` when missing or mistyped.
     pub fn get_i32_array(&self, key: &str) -> Result<Vec<i32>> {
         self.get_array(key)?
             .iter()
@@ -441,12 +443,12 @@ impl GgufFile {
 
     /// The stored bytes of a tensor (validated to lie in the file at open).
     ///
-    /// Errors: [`ModelError::UnsupportedQuantization`] when the type's block
+    /// Errors: [`FormatError::UnsupportedQuantization`] when the type's block
     /// layout is unknown, so its size is unknown.
     pub fn tensor_bytes(&self, info: &TensorInfo) -> Result<&[u8]> {
         let n = info
             .n_bytes
-            .ok_or_else(|| ModelError::UnsupportedQuantization {
+            .ok_or_else(|| FormatError::UnsupportedQuantization {
                 tensor: info.name.clone(),
                 type_name: info.ggml_type.name(),
             })?;
@@ -464,7 +466,7 @@ impl GgufFile {
     /// that asks for 2 MiB pages (the file map's copied pages dropped as it
     /// goes: resident memory unchanged), as 4 KiB pages cost a TLB miss
     /// each.
-    pub fn tensor_weight_bytes(&self, info: &TensorInfo) -> Result<crate::ops::WeightBytes> {
+    pub fn tensor_weight_bytes(&self, info: &TensorInfo) -> Result<WeightBytes> {
         let n = self.tensor_bytes(info)?.len();
         let start = (self.data_start + info.offset) as usize;
         let output = info.name == "output.weight"
@@ -472,15 +474,13 @@ impl GgufFile {
         if output && n >= 64 << 20 {
             // SAFETY: `self.mmap` is a shared read-only map of the model
             // file (`Mmap::map` in `open`), which te-rs never writes.
-            return unsafe {
-                crate::ops::WeightBytes::copied_to_huge_pages(&self.mmap, start..start + n)
-            }
-            .map_err(|e| ModelError::Tensor {
-                tensor: info.name.clone(),
-                reason: format!("cannot copy {n} bytes into memory: {e}"),
-            });
+            return unsafe { WeightBytes::copied_to_huge_pages(&self.mmap, start..start + n) }
+                .map_err(|e| FormatError::Tensor {
+                    tensor: info.name.clone(),
+                    reason: format!("cannot copy {n} bytes into memory: {e}"),
+                });
         }
-        Ok(crate::ops::WeightBytes::mapped(
+        Ok(WeightBytes::mapped(
             Arc::clone(&self.mmap),
             start..start + n,
         ))
@@ -489,10 +489,10 @@ impl GgufFile {
     /// Dequantizes tensor `name` to f32, row-major with rows of `ne[0]`
     /// elements (shape [`TensorInfo::shape`]).
     ///
-    /// Errors: [`ModelError::Tensor`] when there is no such tensor,
-    /// [`ModelError::UnsupportedQuantization`] for a type te-rs cannot read.
+    /// Errors: [`FormatError::Tensor`] when there is no such tensor,
+    /// [`FormatError::UnsupportedQuantization`] for a type te-rs cannot read.
     pub fn dequantize(&self, name: &str) -> Result<Vec<f32>> {
-        let info = self.tensor_info(name).ok_or_else(|| ModelError::Tensor {
+        let info = self.tensor_info(name).ok_or_else(|| FormatError::Tensor {
             tensor: name.to_string(),
             reason: format!("not found in {}", self.path.display()),
         })?;
@@ -586,8 +586,8 @@ struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
-    fn err(&self, reason: String) -> ModelError {
-        ModelError::Format {
+    fn err(&self, reason: String) -> FormatError {
+        FormatError::Format {
             path: self.path.to_path_buf(),
             reason,
         }
@@ -715,5 +715,67 @@ impl<'a> Reader<'a> {
             12 => GgufValue::F64(f64::from_le_bytes(self.array(&what)?)),
             t => return Err(self.err(format!("{what}: unknown value type {t}"))),
         })
+    }
+}
+
+impl TensorSource for GgufFile {
+    fn stored_tensors(&self) -> Vec<StoredTensor> {
+        self.tensors()
+            .iter()
+            .map(|t| StoredTensor {
+                name: t.name.clone(),
+                shape: t.shape(),
+                dtype: t.ggml_type.name(),
+                unreadable: (!t.ggml_type.can_dequantize()).then(|| {
+                    format!(
+                        "unsupported GGUF tensor type ({}; te-rs reads F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K)",
+                        t.ggml_type.name()
+                    )
+                }),
+            })
+            .collect()
+    }
+
+    fn origin(&self) -> &std::path::Path {
+        self.path()
+    }
+
+    fn load(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        let info = self.tensor_info(name).ok_or_else(|| FormatError::Tensor {
+            tensor: name.to_string(),
+            reason: format!("missing from {}", self.path().display()),
+        })?;
+        let shape = info.shape();
+        Ok((shape, self.dequantize(name)?))
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.tensor_info(name).is_some()
+    }
+
+    fn load_matrix(&self, name: &str) -> Result<(Vec<usize>, WeightData)> {
+        let info = self.tensor_info(name).ok_or_else(|| FormatError::Tensor {
+            tensor: name.to_string(),
+            reason: format!("missing from {}", self.path().display()),
+        })?;
+        let blocked = info.ggml_type.can_dequantize()
+            && info
+                .ggml_type
+                .block_layout()
+                .is_some_and(|(len, _)| len > 1);
+        if blocked {
+            // Read in place from the file map: no copy of the weights.
+            let data = self.tensor_weight_bytes(info)?;
+            Ok((
+                info.shape(),
+                WeightData::Quantized {
+                    ty: info.ggml_type,
+                    data,
+                },
+            ))
+        } else {
+            let (shape, data) = self.load(name)?;
+            Ok((shape, WeightData::F32(data)))
+        }
     }
 }

@@ -5,16 +5,17 @@
 //! request run alone in an engine with room to spare; the f64 reference
 //! tests (`tiny_models.rs`) check that single runs are right.
 
+#[path = "../../te-models/tests/tiny/mod.rs"]
 mod tiny;
 
 use std::collections::BTreeMap;
 
-use te_models::engine::{
+use te_engine::engine::{
     channel, Engine, EngineConfig, Event, FinishReason, Request, RequestError,
 };
-use te_models::generate::{generate, Control};
+use te_engine::generate::{generate, Control};
+use te_engine::sampling::SamplingParams;
 use te_models::model::Model;
-use te_models::sampling::SamplingParams;
 use tiny::{Checkpoint, Spec};
 
 /// A prompt of `len` tokens from `seed` (ids below the tiny vocabulary).
@@ -482,5 +483,53 @@ mod interleavings {
                 }
             }
         }
+    }
+}
+
+/// Greedy generation through `generate` (continuous batching, paged cache,
+/// chunked prefill) on Gemma 3 with window 8: the 40-token prompt and the
+/// tokens it produces match greedy decoding of the f64 reference.
+#[test]
+fn gemma3_greedy_generation_past_the_window_matches_f64_reference() {
+    let ck = Checkpoint::write(Spec::gemma3());
+    let model = ck.load().expect("load");
+    let prompts = {
+        let mut rng = tiny::Rng::new(ck.spec.seed + 1000);
+        let vocab = ck.spec.vocab_size;
+        vec![rng.tokens(40, vocab), rng.tokens(40 * 2 / 3 + 1, vocab)]
+    };
+    let new_tokens = 8;
+    let mut expected = Vec::new();
+    for prompt in &prompts {
+        let mut tokens = prompt.clone();
+        for _ in 0..new_tokens {
+            let last = ck.reference(&tokens).pop().expect("a row");
+            let mut order: Vec<usize> = (0..last.len()).collect();
+            order.sort_by(|&i, &j| last[j].total_cmp(&last[i]));
+            assert!(
+                last[order[0]] - last[order[1]] > 1e-3,
+                "near-tie in the reference; pick another seed"
+            );
+            tokens.push(order[0] as u32);
+        }
+        expected.push(tokens[prompt.len()..].to_vec());
+    }
+    let requests: Vec<Request> = prompts
+        .iter()
+        .map(|p| Request {
+            ignore_eos: true,
+            ..Request::new(p.clone(), new_tokens)
+        })
+        .collect();
+    let config = EngineConfig {
+        max_batch_size: 2,
+        prefill_chunk: 7,
+        max_step_tokens: 10,
+        page_size: 4,
+        ..EngineConfig::default()
+    };
+    let out = generate(&model, &requests, &config, |_, _| Control::Continue).expect("generate");
+    for (i, (o, want)) in out.iter().zip(&expected).enumerate() {
+        assert_eq!(&o.tokens, want, "request {i}");
     }
 }

@@ -4,8 +4,8 @@
 //! tokens batched as alone.
 
 use crate::engine::{Engine, EngineConfig, Event, FinishReason, Request};
-use crate::model::Model;
-use crate::{ModelError, Result};
+use te_models::model::Model;
+use te_models::{ModelError, Result};
 
 /// What one request produced.
 #[derive(Clone, Debug, PartialEq)]

@@ -26,7 +26,7 @@
 //!   a ring overwrites its pages as it turns.
 //! - **One plan per step**: `pre_step` builds the step's [`te_cache::StepPlan`],
 //!   which every layer borrows; the forward reuses one
-//!   `Workspace` (`crate::layer::Workspace`).
+//!   `Workspace` (`te_models::layer::Workspace`).
 //! - **Text**: each token event carries its text delta: UTF-8-complete,
 //!   with any tail that may still become a stop string held back until it
 //!   can no longer match; a stop string ends the request with
@@ -34,7 +34,7 @@
 //!
 //! - **Context parallelism** ([`Engine::with_context_parallel`]): every
 //!   rank of a group runs an engine on the same requests; each rank's pool
-//!   holds its shard of every sequence ([`crate::context_parallel`]).
+//!   holds its shard of every sequence ([`te_models::context_parallel`]).
 //!   Admission and preemption decide on the fullest rank (a minimum of
 //!   free pages over the ranks; a step goes ahead only when every rank's
 //!   cache can take its part), so every rank makes the same decisions and
@@ -60,14 +60,14 @@ use rayon::prelude::*;
 
 use te_cache::{CacheLayout, InferenceParams};
 
-use crate::cuda::{KvStore, StepOutput};
+use te_models::context_parallel::ContextParallel;
+use te_models::cuda::{KvStore, StepOutput};
+use te_models::layer::Workspace;
+use te_models::model::Model;
+use te_models::{ModelError, Result};
+use te_tokenizer::{DecodeStream, Tokenizer};
 
-use crate::context_parallel::ContextParallel;
-use crate::layer::Workspace;
-use crate::model::Model;
 use crate::sampling::{Sampler, SamplingParams};
-use crate::tokenizer::{DecodeStream, Tokenizer};
-use crate::{ModelError, Result};
 
 /// Identifies a request for the engine's lifetime (never reused).
 pub type RequestId = u64;

@@ -56,7 +56,7 @@ use crate::quant::{dequantize_blocks, GgmlType};
 
 /// A weight matrix `[n, k]` as the kernel reads it.
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum Weights<'a> {
+pub enum Weights<'a> {
     /// f32, row-major.
     F32(&'a [f32]),
     /// GGUF blocks of `ty`, `k / block_len` blocks per row.
@@ -332,7 +332,7 @@ fn fused_product_avx2(
 /// `w: [n, k]`, `y: [t, n]`. `scratch` is grown as needed and reused: per
 /// task, a decoded panel (quantized weights) and the k-blocked kernel's
 /// accumulators.
-pub(crate) fn matmul_into(
+pub fn matmul_into(
     x: &[f32],
     t: usize,
     w: Weights<'_>,
@@ -346,7 +346,7 @@ pub(crate) fn matmul_into(
 
 /// One of the products [`matmul_many_into`] runs on a shared `x: [t, k]`:
 /// `y: [t, n] = x · wᵀ`, `w: [n, k]`.
-pub(crate) struct Product<'a, 'y> {
+pub struct Product<'a, 'y> {
     pub w: Weights<'a>,
     pub n: usize,
     pub y: &'y mut [f32],
@@ -358,7 +358,7 @@ pub(crate) struct Product<'a, 'y> {
 /// threads are handed work once instead of `N` times (in decode a launch
 /// takes about as long as handing it over). Each output is computed
 /// exactly as [`matmul_into`] computes it.
-pub(crate) fn matmul_many_into<const N: usize>(
+pub fn matmul_many_into<const N: usize>(
     x: &[f32],
     t: usize,
     k: usize,
@@ -758,7 +758,7 @@ pub(crate) fn dot_portable(x: &[f32], w: &[f32]) -> f32 {
 
 /// The lane tree of the module doc (RMSNorm's sum of squares uses it too).
 #[inline(always)]
-pub(crate) fn reduce16(a: &[f32; 16]) -> f32 {
+pub fn reduce16(a: &[f32; 16]) -> f32 {
     let s8: [f32; 8] = std::array::from_fn(|l| a[l] + a[l + 8]);
     let s4: [f32; 4] = std::array::from_fn(|l| s8[l] + s8[l + 4]);
     let s2: [f32; 2] = std::array::from_fn(|l| s4[l] + s4[l + 2]);

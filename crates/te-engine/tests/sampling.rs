@@ -4,10 +4,11 @@
 //! greedy; the frequencies of hand-computed distributions come out; and
 //! sampling allocates nothing after the first token.
 
+#[path = "../../te-models/tests/alloc_counter/mod.rs"]
 mod alloc_counter;
 
 use proptest::prelude::*;
-use te_models::sampling::{argmax, Sampler, SamplingParams};
+use te_engine::sampling::{argmax, Sampler, SamplingParams};
 
 #[global_allocator]
 static ALLOC: alloc_counter::Counting = alloc_counter::Counting;

@@ -6,8 +6,8 @@
 use half::f16;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use te_models::quant::{dequantize, GgmlType};
-use te_models::ModelError;
+use te_kernels::quant::{dequantize, GgmlType};
+use te_kernels::KernelError;
 
 fn f16_bytes(x: f32) -> [u8; 2] {
     f16::from_f32(x).to_le_bytes()
@@ -334,7 +334,7 @@ fn type_ids_round_trip() {
 fn unsupported_types_and_bad_sizes_are_errors() {
     let err = dequantize("blk.0.x", GgmlType::Q8_K, &[0; 292], 256, &mut [0.0; 256]).unwrap_err();
     assert!(
-        matches!(err, ModelError::UnsupportedQuantization { .. }),
+        matches!(err, KernelError::UnsupportedQuantization { .. }),
         "{err}"
     );
     assert!(

@@ -1,0 +1,21 @@
+//! te-engine: the generation engine every front end drives (`te generate`,
+//! `te serve`, benches, context-parallel ranks): requests join and leave at
+//! any step, KV memory follows the tokens (paged, with recompute
+//! preemption and shared prompt prefixes), each step runs one ragged batch
+//! through the model, and sequences sample, detokenize and stop
+//! independently.
+//!
+//! Main types: [`engine::Engine`] (`add_request`, `step`, `abort`),
+//! [`engine::EngineHandle`] (the engine on a thread of its own),
+//! [`sampling::Sampler`], [`generate::generate`] (a batch of requests run
+//! to completion), [`perplexity`].
+//!
+//! Invariants: a request's tokens are the same alone and in any batch
+//! (each sequence its own sampler and RNG; the model's rows are
+//! batch-invariant); a rejected request disturbs no other; a failed step
+//! leaves every cache operation undone.
+
+pub mod engine;
+pub mod generate;
+pub mod perplexity;
+pub mod sampling;

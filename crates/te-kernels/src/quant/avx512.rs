@@ -1,0 +1,300 @@
+//! AVX-512 decoders, block by block, 16 values per register, bit-identical
+//! to the scalar ones: 4- and 5-bit quants index a table of their block's
+//! values (computed with the scalar decoder's operations, or with one fused
+//! multiply-add where the product is exact in f32, which rounds the same);
+//! the other types' quants are widened to i32, converted to f32 exactly
+//! and multiplied by the scalar decoder's scale.
+
+use std::arch::x86_64::*;
+
+use super::GgmlType;
+
+/// Whether `ty` has a decoder here and the CPU can run it.
+pub(crate) fn available(ty: GgmlType) -> bool {
+    use GgmlType::*;
+    matches!(ty, Q4_0 | Q4_1 | Q5_0 | Q8_0 | Q4_K | Q6_K)
+        && is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("f16c")
+}
+
+/// [`super::dequantize_blocks`] for a type with [`available`]: block by
+/// block, its constants from the type's `*_block` decoder, then each
+/// group of 32 values from its group decoder, stored.
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX2 and F16C; `ty` one of
+/// [`available`]'s types (others panic).
+#[target_feature(enable = "avx512f,avx2,f16c")]
+pub(crate) unsafe fn dequantize_blocks(ty: GgmlType, data: &[u8], out: &mut [f32]) {
+    macro_rules! each_block {
+        ($block:ident, $group:ident) => {{
+            let (block_len, block_bytes) = ty.block_layout().expect("a block type");
+            for (b, o) in data
+                .chunks_exact(block_bytes)
+                .zip(out.chunks_exact_mut(block_len))
+            {
+                let c = $block(b);
+                for (sub, o) in o.chunks_exact_mut(32).enumerate() {
+                    let [lo, hi] = $group(b, sub, &c);
+                    // SAFETY: writes the 32 floats of `o`.
+                    unsafe {
+                        _mm512_storeu_ps(o.as_mut_ptr(), lo);
+                        _mm512_storeu_ps(o.as_mut_ptr().add(16), hi);
+                    }
+                }
+            }
+        }};
+    }
+    match ty {
+        GgmlType::Q4_0 => each_block!(q4_0_block, q4_0),
+        GgmlType::Q4_1 => each_block!(q4_1_block, q4_1),
+        GgmlType::Q5_0 => each_block!(q5_0_block, q5_0),
+        GgmlType::Q8_0 => each_block!(q8_0_block, q8_0),
+        GgmlType::Q4_K => each_block!(q4_k_block, q4_k),
+        GgmlType::Q6_K => each_block!(q6_k_block, q6_k),
+        _ => unreachable!("avx512::dequantize_blocks: {ty:?} has no decoder"),
+    }
+}
+
+/// The little-endian f16 at byte `at`, as f32 (exact), in every lane.
+/// (Converted from a broadcast: converting a scalar let the compiler
+/// merge it into a register still being accumulated, which chained
+/// each block's decoding to the previous block's products.)
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+fn f16_splat(b: &[u8], at: usize) -> __m512 {
+    let bits = u16::from_le_bytes([b[at], b[at + 1]]);
+    _mm512_cvtph_ps(_mm256_set1_epi16(bits as i16))
+}
+
+/// The 16 bytes at `b[at..]`, zero-extended to 16 i32 lanes.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+fn u8x16(b: &[u8], at: usize) -> __m512i {
+    let b: &[u8; 16] = b[at..at + 16].try_into().expect("16 bytes");
+    // SAFETY: reads the 16 bytes of `b` (no alignment needed).
+    _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(b.as_ptr().cast()) })
+}
+
+/// The 16 bytes at `b[at..]`, sign-extended to 16 i32 lanes.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+fn i8x16(b: &[u8], at: usize) -> __m512i {
+    let b: &[u8; 16] = b[at..at + 16].try_into().expect("16 bytes");
+    // SAFETY: reads the 16 bytes of `b` (no alignment needed).
+    _mm512_cvtepi8_epi32(unsafe { _mm_loadu_si128(b.as_ptr().cast()) })
+}
+
+/// `[0.0, 1.0, .., 15.0]`: the 16 values of a 4-bit quant.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+fn iota16() -> __m512 {
+    _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    )
+}
+
+/// Each lane's value of `table` at the lane's 4-bit quant (bits 0..4 of
+/// the i32 lane; the higher bits are ignored).
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+fn lookup16(q: __m512i, table: __m512) -> __m512 {
+    _mm512_permutexvar_ps(q, table)
+}
+
+/// The 32 nibbles of the 16 bytes at `b[at..]` through `table`: low
+/// nibbles (elements 0..16), then high nibbles (elements 16..32), the
+/// layout of Q4_0 and Q4_1.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+fn nibbles16(b: &[u8], at: usize, table: &__m512) -> [__m512; 2] {
+    let q = u8x16(b, at);
+    [
+        lookup16(q, *table),
+        lookup16(_mm512_srli_epi32::<4>(q), *table),
+    ]
+}
+
+// Decoders, two per type: `*_block(b)` computes what the block `b`
+// (its bytes) shares, once per block; `f(b, sub, &shared)` is elements
+// 32·sub .. 32·sub + 32 of the block, as [elements 0..16, elements
+// 16..32], with the values of the scalar decoder (bit for bit). The
+// 4- and 5-bit types decode through a table of their 16 or 32 values,
+// computed per block (or sub-block) with the scalar decoder's
+// operations, so they are the same bits.
+
+/// Q4_0's table: d·(q − 8) for q < 16.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+pub(crate) fn q4_0_block(b: &[u8]) -> __m512 {
+    let d = f16_splat(b, 0);
+    _mm512_mul_ps(d, _mm512_sub_ps(iota16(), _mm512_set1_ps(8.0)))
+}
+
+/// Q4_0 (one group, `sub` = 0): element j the low nibble of qs\[j\],
+/// element j + 16 the high one.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+pub(crate) fn q4_0(b: &[u8], _sub: usize, table: &__m512) -> [__m512; 2] {
+    nibbles16(b, 2, table)
+}
+
+/// Q4_1's table: d·q + m for q < 16 (d·q is exact in f32, 11 × 4 bits,
+/// so the fused multiply-add rounds d·q + m once, as the scalar
+/// multiply and add do).
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+pub(crate) fn q4_1_block(b: &[u8]) -> __m512 {
+    let (d, m) = (f16_splat(b, 0), f16_splat(b, 2));
+    _mm512_fmadd_ps(d, iota16(), m)
+}
+
+/// Q4_1 (one group): nibbles as Q4_0.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+pub(crate) fn q4_1(b: &[u8], _sub: usize, table: &__m512) -> [__m512; 2] {
+    nibbles16(b, 4, table)
+}
+
+/// Q5_0's tables: d·(q − 16) for q < 16 and for 16 <= q < 32.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+pub(crate) fn q5_0_block(b: &[u8]) -> [__m512; 2] {
+    let d = f16_splat(b, 0);
+    [
+        _mm512_mul_ps(d, _mm512_sub_ps(iota16(), _mm512_set1_ps(16.0))),
+        _mm512_mul_ps(d, iota16()),
+    ]
+}
+
+/// Q5_0 (one group): the 5th bit of element i is bit i of qh; the low
+/// 4 bits index the lower table, replaced by the upper one in the
+/// lanes whose 5th bit is set.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+pub(crate) fn q5_0(b: &[u8], _sub: usize, [below, above]: &[__m512; 2]) -> [__m512; 2] {
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    let q = u8x16(b, 6);
+    let value =
+        |q: __m512i, bits: u16| _mm512_mask_permutexvar_ps(lookup16(q, *below), bits, q, *above);
+    [
+        value(q, qh as u16),
+        value(_mm512_srli_epi32::<4>(q), (qh >> 16) as u16),
+    ]
+}
+
+/// Q8_0's scale d.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+pub(crate) fn q8_0_block(b: &[u8]) -> __m512 {
+    f16_splat(b, 0)
+}
+
+/// Q8_0 (one group): d·q.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+pub(crate) fn q8_0(b: &[u8], _sub: usize, d: &__m512) -> [__m512; 2] {
+    [
+        _mm512_mul_ps(*d, _mm512_cvtepi32_ps(i8x16(b, 2))),
+        _mm512_mul_ps(*d, _mm512_cvtepi32_ps(i8x16(b, 18))),
+    ]
+}
+
+/// The multipliers of a Q4_K block's 8 sub-blocks: `[d·scale_j for j
+/// < 8, dmin·min_j for j < 8]` (each an exact product of an f16 and a
+/// 6-bit integer, as the scalar decoder computes it), all 16 decoded
+/// at once from the 12 bytes of packed scales.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+pub(crate) fn q4_k_block(b: &[u8]) -> __m512 {
+    let word = |at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+    let (w0, w1, w2) = (word(4), word(8), word(12));
+    // Bytes j < 4: the low 6 bits of scales[j] / scales[j + 4]; bytes
+    // j >= 4: 4 bits of scales[j + 4] with the top 2 of scales[j - 4]
+    // / scales[j] above them (`k4_scale_min`, four bytes per operation).
+    let low6 = 0x3f3f_3f3f;
+    let scale =
+        (w0 & low6) as u64 | (((w2 & 0x0f0f_0f0f) | ((w0 >> 2) & 0x3030_3030)) as u64) << 32;
+    let min =
+        (w1 & low6) as u64 | ((((w2 >> 4) & 0x0f0f_0f0f) | ((w1 >> 2) & 0x3030_3030)) as u64) << 32;
+    let ints = _mm_set_epi64x(min as i64, scale as i64);
+    // [d; 8] then [dmin; 8].
+    let mul = _mm512_mask_blend_ps(0xFF00, f16_splat(b, 0), f16_splat(b, 2));
+    _mm512_mul_ps(mul, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(ints)))
+}
+
+/// Lane `i` of `v` in every lane (one permute).
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+fn lane(v: __m512, i: usize) -> __m512 {
+    _mm512_permutexvar_ps(_mm512_set1_epi32(i as i32), v)
+}
+
+/// Q4_K sub-block j: d·scale_j·q − dmin·min_j, q nibble j % 2 of
+/// qs\[32·(j / 2) ..\]; from a table of the sub-block's 16 values
+/// (ds·q is exact in f32, 11 + 6 + 4 bits, so the fused
+/// multiply-subtract rounds once, as the scalar decoder does).
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+pub(crate) fn q4_k(b: &[u8], j: usize, scales: &__m512) -> [__m512; 2] {
+    let table = _mm512_fmsub_ps(lane(*scales, j), iota16(), lane(*scales, 8 + j));
+    let at = 16 + 32 * (j / 2);
+    let nib = |q: __m512i| {
+        let q = if j.is_multiple_of(2) {
+            q
+        } else {
+            _mm512_srli_epi32::<4>(q)
+        };
+        lookup16(q, table)
+    };
+    [nib(u8x16(b, at)), nib(u8x16(b, at + 16))]
+}
+
+/// The 16 multipliers of a Q6_K block: d·scales\[i\] (an exact product
+/// of an f16 and an i8, as the scalar decoder computes it).
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+pub(crate) fn q6_k_block(b: &[u8]) -> __m512 {
+    let d = f16_splat(b, 208);
+    _mm512_mul_ps(d, _mm512_cvtepi32_ps(i8x16(b, 192)))
+}
+
+/// Q6_K group i = 4·h + r: d·scale·(q − 32). The 6-bit quants are put
+/// together 16 bytes at a time (each byte's bits come from its own
+/// bytes of ql and qh), then widened.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+pub(crate) fn q6_k(b: &[u8], i: usize, scales: &__m512) -> [__m512; 2] {
+    let (h, r) = (i / 4, i % 4);
+    let bytes = |at: usize| {
+        let v: &[u8; 16] = b[at..at + 16].try_into().expect("16 bytes");
+        // SAFETY: reads the 16 bytes of `v` (no alignment needed).
+        unsafe { _mm_loadu_si128(v.as_ptr().cast()) }
+    };
+    let half = |l0: usize| {
+        // Shifting 16-bit lanes and masking keeps each byte's own bits
+        // (shift + width <= 8).
+        let low = _mm_and_si128(
+            _mm_srl_epi16(
+                bytes(64 * h + 32 * (r % 2) + l0),
+                _mm_cvtsi32_si128(4 * (r / 2) as i32),
+            ),
+            _mm_set1_epi8(0x0F),
+        );
+        let high = _mm_and_si128(
+            _mm_srl_epi16(bytes(128 + 32 * h + l0), _mm_cvtsi32_si128(2 * r as i32)),
+            _mm_set1_epi8(3),
+        );
+        let q = _mm_sub_epi8(
+            _mm_or_si128(low, _mm_slli_epi16::<4>(high)),
+            _mm_set1_epi8(32),
+        );
+        let e = 128 * h + 32 * r + l0;
+        _mm512_mul_ps(
+            lane(*scales, e / 16),
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)),
+        )
+    };
+    [half(0), half(16)]
+}
