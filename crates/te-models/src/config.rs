@@ -1,53 +1,16 @@
 //! The resolved model config: one plain struct (no `Option` left that the
-//! forward pass would have to interpret) covering Llama and Gemma 1/2/3.
+//! forward pass would have to interpret) for every family.
 //!
 //! Built from a Hugging Face `config.json` ([`crate::hf`]) or from GGUF
-//! metadata ([`crate::gguf_model`]); field names follow Hugging Face.
+//! metadata ([`crate::gguf_model`]): each reads the fields every family
+//! shares ([`Common`]) and asks the family ([`crate::family`]) for the
+//! rest; field names follow Hugging Face.
 
 use te_kernels::rope::{RopeConvention, RopeScaling};
 
-/// Model family. Each is a config mapping onto the one [`crate::layer`]
-/// transformer layer, not a separate implementation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Architecture {
-    /// Llama 2, Llama 3.x, SmolLM2, TinyLlama (Hugging Face `llama`).
-    Llama,
-    /// Gemma (1).
-    Gemma,
-    /// Gemma 2.
-    Gemma2,
-    /// Gemma 3 text.
-    Gemma3,
-}
+use crate::family::{Shared, Specifics};
 
-impl Architecture {
-    /// Parses a Hugging Face `model_type` or GGUF `general.architecture`.
-    pub fn parse(name: &str) -> Option<Self> {
-        match name {
-            "llama" | "mistral" => Some(Architecture::Llama),
-            "gemma" => Some(Architecture::Gemma),
-            "gemma2" => Some(Architecture::Gemma2),
-            "gemma3" | "gemma3_text" => Some(Architecture::Gemma3),
-            _ => None,
-        }
-    }
-
-    /// Name as written in GGUF `general.architecture` and by `te inspect`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Architecture::Llama => "llama",
-            Architecture::Gemma => "gemma",
-            Architecture::Gemma2 => "gemma2",
-            Architecture::Gemma3 => "gemma3",
-        }
-    }
-
-    /// Whether this family is a Gemma (GeGLU-tanh, (1 + w) norms, scaled embedding).
-    pub fn is_gemma(self) -> bool {
-        !matches!(self, Architecture::Llama)
-    }
-}
-
+pub use crate::family::Architecture;
 pub use te_kernels::activation::Activation;
 
 /// Everything the forward pass needs, resolved.
@@ -101,6 +64,68 @@ pub struct ModelConfig {
     pub mlp_bias: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+}
+
+/// The config fields every family reads the same way (from GGUF metadata
+/// or `config.json`), before the family's own ([`Specifics`]).
+#[derive(Clone, Debug)]
+pub struct Common {
+    pub architecture: Architecture,
+    pub vocab_size: usize,
+    pub shared: Shared,
+    pub intermediate_size: usize,
+    pub num_key_value_heads: usize,
+    pub rms_norm_eps: f32,
+    pub max_position_embeddings: usize,
+    pub rope_theta: f32,
+    pub rope_scaling: RopeScaling,
+    pub rope_convention: RopeConvention,
+    pub hidden_activation: Activation,
+    pub tie_word_embeddings: bool,
+    pub attention_bias: bool,
+    pub mlp_bias: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl ModelConfig {
+    /// The config of `c`'s family from the shared fields and the family's
+    /// values (its defaults where they are `None`), not yet validated.
+    pub fn resolve(c: Common, s: Specifics) -> ModelConfig {
+        let fam = c.architecture.family();
+        let sh = c.shared;
+        ModelConfig {
+            architecture: c.architecture,
+            vocab_size: c.vocab_size,
+            hidden_size: sh.hidden_size,
+            intermediate_size: c.intermediate_size,
+            num_hidden_layers: sh.num_hidden_layers,
+            num_attention_heads: sh.num_attention_heads,
+            num_key_value_heads: c.num_key_value_heads,
+            head_dim: sh.head_dim,
+            rms_norm_eps: c.rms_norm_eps,
+            max_position_embeddings: c.max_position_embeddings,
+            rope_theta: c.rope_theta,
+            rope_local_base_freq: s.rope_local_base_freq.unwrap_or(c.rope_theta),
+            rope_scaling: c.rope_scaling,
+            rope_convention: c.rope_convention,
+            hidden_activation: c.hidden_activation,
+            softmax_scale: 1.0 / s.softmax_scale_base.unwrap_or(sh.head_dim as f32).sqrt(),
+            attn_logit_softcapping: s.attn_logit_softcapping,
+            final_logit_softcapping: s.final_logit_softcapping,
+            layer_windows: s
+                .layer_windows
+                .unwrap_or_else(|| vec![None; sh.num_hidden_layers]),
+            scale_embedding: fam.scale_embedding,
+            qk_norm: fam.qk_norm,
+            sandwich_norms: fam.sandwich_norms,
+            tie_word_embeddings: c.tie_word_embeddings,
+            attention_bias: c.attention_bias,
+            mlp_bias: c.mlp_bias,
+            bos_token_id: c.bos_token_id,
+            eos_token_ids: c.eos_token_ids,
+        }
+    }
 }
 
 /// Largest size or count a config field may hold (2^24): larger values are

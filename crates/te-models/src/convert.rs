@@ -33,11 +33,11 @@ use std::path::Path;
 use serde_json::{json, Value};
 use te_kernels::rope::{RopeConvention, RopeScaling};
 
-use crate::config::{Activation, Architecture, ModelConfig};
+use crate::config::{Activation, ModelConfig};
+use crate::family::{NameScheme, TensorNames};
 use crate::loader::{load_model, LoadedModel};
 use crate::ops::Linear;
 use crate::source::ModelSource;
-use crate::weights::{NameScheme, TensorNames};
 use crate::{ModelError, Result};
 
 /// What Gemma GGUF norm weights hold beyond Hugging Face's: `1 + w` vs `w`.
@@ -75,26 +75,6 @@ pub struct ConvertSummary {
     pub shifted_norms: bool,
 }
 
-/// Hugging Face `model_type` of an architecture (`gemma3_text` for Gemma 3,
-/// the text-only model).
-pub fn hf_model_type(arch: Architecture) -> &'static str {
-    match arch {
-        Architecture::Llama => "llama",
-        Architecture::Gemma => "gemma",
-        Architecture::Gemma2 => "gemma2",
-        Architecture::Gemma3 => "gemma3_text",
-    }
-}
-
-fn hf_architecture_class(arch: Architecture) -> &'static str {
-    match arch {
-        Architecture::Llama => "LlamaForCausalLM",
-        Architecture::Gemma => "GemmaForCausalLM",
-        Architecture::Gemma2 => "Gemma2ForCausalLM",
-        Architecture::Gemma3 => "Gemma3ForCausalLM",
-    }
-}
-
 /// An f32 as JSON through its shortest decimal form (`1e-6`, not
 /// `9.99999997e-7`), which reads back as the same f32.
 pub(crate) fn f32_json(x: f32) -> Value {
@@ -121,10 +101,10 @@ fn eos_json(ids: &[u32]) -> Value {
 /// 1/sqrt(query_pre_attn_scalar)`, rounded to an integer when within 1e-3
 /// of one (it is one in every released Gemma).
 pub fn hf_config_json(cfg: &ModelConfig, dtype: OutputDtype) -> Value {
-    let arch = cfg.architecture;
+    let fam = cfg.architecture.family();
     let mut c = json!({
-        "architectures": [hf_architecture_class(arch)],
-        "model_type": hf_model_type(arch),
+        "architectures": [fam.hf_class],
+        "model_type": fam.hf_model_type,
         "torch_dtype": dtype.torch_name(),
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
@@ -148,11 +128,14 @@ pub fn hf_config_json(cfg: &ModelConfig, dtype: OutputDtype) -> Value {
         Activation::GeluTanh => "gelu_pytorch_tanh",
     };
     let obj = c.as_object_mut().expect("a JSON object");
-    if arch.is_gemma() {
+    // Gemma configs name the activation `hidden_activation`.
+    if fam.activation == Activation::GeluTanh {
         obj.insert("hidden_activation".into(), json!(act));
     }
     obj.insert("hidden_act".into(), json!(act));
-    if matches!(arch, Architecture::Gemma2 | Architecture::Gemma3) {
+    // The families with four norms per layer (Gemma 2/3) carry
+    // query_pre_attn_scalar, softcaps and sliding windows.
+    if fam.sandwich_norms {
         let s = cfg.softmax_scale as f64;
         let q = 1.0 / (s * s);
         let q = if (q - q.round()).abs() <= 1e-3 * q.round() {
@@ -188,7 +171,7 @@ pub fn hf_config_json(cfg: &ModelConfig, dtype: OutputDtype) -> Value {
             .collect();
         obj.insert("layer_types".into(), json!(types));
     }
-    if arch == Architecture::Gemma3 {
+    if fam.local_rope_unscaled {
         obj.insert(
             "rope_local_base_freq".into(),
             f32_json(cfg.rope_local_base_freq),
@@ -429,7 +412,7 @@ pub fn convert_gguf_to_hf(
     })?;
 
     let unpermute = cfg.rope_convention == RopeConvention::Interleaved;
-    let gemma = cfg.architecture.is_gemma();
+    let gemma = cfg.architecture.family().hf_norm_offset != 0.0;
     let names = TensorNames {
         scheme: NameScheme::HuggingFace,
         arch: cfg.architecture,
@@ -637,7 +620,7 @@ mod tests {
 
     fn gemma2_like() -> ModelConfig {
         ModelConfig {
-            architecture: Architecture::Gemma2,
+            architecture: crate::family::GEMMA2,
             vocab_size: 256,
             hidden_size: 96,
             intermediate_size: 160,
@@ -674,7 +657,7 @@ mod tests {
         assert_eq!(round_trip_config(&g2, "gemma2"), g2);
 
         let g3 = ModelConfig {
-            architecture: Architecture::Gemma3,
+            architecture: crate::family::GEMMA3,
             rope_theta: 1e6,
             rope_scaling: RopeScaling::Linear { factor: 8.0 },
             softmax_scale: 1.0 / 24f32.sqrt(),
@@ -688,7 +671,7 @@ mod tests {
         assert_eq!(round_trip_config(&g3, "gemma3"), g3);
 
         let llama = ModelConfig {
-            architecture: Architecture::Llama,
+            architecture: crate::family::LLAMA,
             rms_norm_eps: 1e-5,
             rope_theta: 500000.0,
             rope_local_base_freq: 500000.0,

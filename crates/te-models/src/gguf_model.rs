@@ -1,15 +1,13 @@
 //! GGUF files as models: the config from GGUF metadata
 //! (`<arch>.block_count`, ...) and the file as a [`TensorSource`].
 //!
-//! Facts not stored in GGUF come from the reference implementations (see
-//! tests/refs/README.md): Gemma 3 layer `i` is sliding when `i % 6 < 5`
-//! and its local layers use RoPE base 10000; Gemma 2 alternates, even
-//! layers sliding; GGUF llama files store Q/K rows permuted so that
-//! interleaved RoPE on them equals half-split RoPE on the original weights.
+//! Facts not stored in GGUF (window patterns, local RoPE bases, the Q/K
+//! row permutation of llama files) are the families' ([`crate::family`]).
 
-use te_kernels::rope::{RopeConvention, RopeScaling};
+use te_kernels::rope::RopeScaling;
 
-use crate::config::{plausible_layers, Activation, Architecture, ModelConfig};
+use crate::config::{plausible_layers, Common, ModelConfig};
+use crate::family::{self, GgufKeys, Shared};
 use crate::{ModelError, Result};
 use te_formats::gguf::GgufFile;
 
@@ -25,26 +23,29 @@ fn has_layer_bias(f: &GgufFile, roles: &[&str]) -> bool {
     })
 }
 
-/// Reads the model config from a GGUF file's metadata.
+/// Reads the model config from a GGUF file's metadata: the keys every
+/// family shares here, the rest from the family ([`crate::family::Family::from_gguf`]).
 ///
-/// Errors: `general.architecture` not one of llama, gemma, gemma2, gemma3
-/// (named); a required key missing or of the wrong type (named); Llama 3
+/// Errors: `general.architecture` not a family te-rs runs (named); a
+/// required key missing or of the wrong type (named); Llama 3
 /// `rope_freqs` scaling tensors (not supported yet).
 pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
     let arch_name = f.get_str("general.architecture")?.to_string();
-    let architecture = Architecture::parse(&arch_name)
-        .filter(|a| a.name() == arch_name)
+    let architecture = family::by_gguf_name(&arch_name)
         .ok_or(ModelError::UnsupportedArchitecture(arch_name.clone()))?;
-    let key = |k: &str| format!("{arch_name}.{k}");
-    let get_usize = |k: &str| f.get_u64(&key(k)).map(|v| v as usize);
-    let opt_usize = |k: &str| f.metadata(&key(k)).map(|_| get_usize(k)).transpose();
-    let opt_f32 = |k: &str| f.metadata(&key(k)).map(|_| f.get_f32(&key(k))).transpose();
+    let fam = architecture.family();
+    let k = GgufKeys {
+        file: f,
+        arch: &arch_name,
+    };
+    let key = |name: &str| k.key(name);
 
-    let hidden_size = get_usize("embedding_length")?;
-    let num_attention_heads = get_usize("attention.head_count")?;
-    let num_hidden_layers = plausible_layers(&key("block_count"), get_usize("block_count")?)?;
-    let head_dim =
-        opt_usize("attention.key_length")?.unwrap_or(hidden_size / num_attention_heads.max(1));
+    let hidden_size = k.usize("embedding_length")?;
+    let num_attention_heads = k.usize("attention.head_count")?;
+    let num_hidden_layers = plausible_layers(&key("block_count"), k.usize("block_count")?)?;
+    let head_dim = k
+        .opt_usize("attention.key_length")?
+        .unwrap_or(hidden_size / num_attention_heads.max(1));
     let vocab_size = match f.tensor_info("token_embd.weight") {
         Some(t) => t.shape()[0],
         None => {
@@ -60,7 +61,7 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
             reason: "per-frequency RoPE scaling factors are not supported yet".into(),
         });
     }
-    let rope_theta = opt_f32("rope.freq_base")?.unwrap_or(10000.0);
+    let rope_theta = k.opt_f32("rope.freq_base")?.unwrap_or(10000.0);
     let rope_scaling = match f.metadata(&key("rope.scaling.type")) {
         None => RopeScaling::None,
         Some(_) => match f.get_str(&key("rope.scaling.type"))? {
@@ -76,41 +77,17 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
             }
         },
     };
-    let gemma = architecture.is_gemma();
-    let window = opt_usize("attention.sliding_window")?;
-    let need_window = || {
-        window.ok_or_else(|| ModelError::Config {
-            field: key("attention.sliding_window"),
-            reason: "missing".into(),
-        })
+    let shared = Shared {
+        hidden_size,
+        num_attention_heads,
+        num_hidden_layers,
+        head_dim,
     };
-    let layer_windows = match architecture {
-        Architecture::Llama | Architecture::Gemma => vec![None; num_hidden_layers],
-        Architecture::Gemma2 => {
-            let w = need_window()?;
-            (0..num_hidden_layers)
-                .map(|i| (i % 2 == 0).then_some(w))
-                .collect()
-        }
-        Architecture::Gemma3 => {
-            let w = need_window()?;
-            (0..num_hidden_layers)
-                .map(|i| (i % 6 < 5).then_some(w))
-                .collect()
-        }
-    };
-    // llama.cpp's attention scale for Gemma 2/3 is 1/sqrt(head_dim), except
-    // the 27B models whose query_pre_attn_scalar is hidden / heads.
-    let scale_base = match architecture {
-        Architecture::Gemma2 | Architecture::Gemma3 if matches!(hidden_size, 4608 | 5376) => {
-            (hidden_size / num_attention_heads) as f32
-        }
-        _ => head_dim as f32,
-    };
+    let specifics = (fam.from_gguf)(&k, &shared)?;
     let mut eos_token_ids = vec![];
-    for k in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
-        if f.metadata(k).is_some() {
-            let id = f.get_u32(k)?;
+    for name in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
+        if f.metadata(name).is_some() {
+            let id = f.get_u32(name)?;
             if !eos_token_ids.contains(&id) {
                 eos_token_ids.push(id);
             }
@@ -120,55 +97,31 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         Some(_) => Some(f.get_u32("tokenizer.ggml.bos_token_id")?),
         None => None,
     };
-    let cfg = ModelConfig {
-        architecture,
-        vocab_size,
-        hidden_size,
-        intermediate_size: get_usize("feed_forward_length")?,
-        num_hidden_layers,
-        num_attention_heads,
-        num_key_value_heads: opt_usize("attention.head_count_kv")?.unwrap_or(num_attention_heads),
-        head_dim,
-        rms_norm_eps: opt_f32("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6),
-        max_position_embeddings: get_usize("context_length")?,
-        rope_theta,
-        rope_local_base_freq: if architecture == Architecture::Gemma3 {
-            10000.0
-        } else {
-            rope_theta
+    let cfg = ModelConfig::resolve(
+        Common {
+            architecture,
+            vocab_size,
+            shared,
+            intermediate_size: k.usize("feed_forward_length")?,
+            num_key_value_heads: k
+                .opt_usize("attention.head_count_kv")?
+                .unwrap_or(num_attention_heads),
+            rms_norm_eps: k
+                .opt_f32("attention.layer_norm_rms_epsilon")?
+                .unwrap_or(1e-6),
+            max_position_embeddings: k.usize("context_length")?,
+            rope_theta,
+            rope_scaling,
+            rope_convention: fam.gguf_rope_convention,
+            hidden_activation: fam.activation,
+            tie_word_embeddings: f.tensor_info("output.weight").is_none(),
+            attention_bias: has_layer_bias(f, &["attn_q", "attn_k", "attn_v", "attn_output"]),
+            mlp_bias: has_layer_bias(f, &["ffn_gate", "ffn_up", "ffn_down"]),
+            bos_token_id,
+            eos_token_ids,
         },
-        rope_scaling,
-        rope_convention: if gemma {
-            RopeConvention::HalfSplit
-        } else {
-            RopeConvention::Interleaved
-        },
-        hidden_activation: if gemma {
-            Activation::GeluTanh
-        } else {
-            Activation::Silu
-        },
-        softmax_scale: 1.0 / scale_base.sqrt(),
-        attn_logit_softcapping: if architecture == Architecture::Gemma2 {
-            opt_f32("attn_logit_softcapping")?
-        } else {
-            None
-        },
-        final_logit_softcapping: if architecture == Architecture::Gemma2 {
-            opt_f32("final_logit_softcapping")?
-        } else {
-            None
-        },
-        layer_windows,
-        scale_embedding: gemma,
-        qk_norm: architecture == Architecture::Gemma3,
-        sandwich_norms: matches!(architecture, Architecture::Gemma2 | Architecture::Gemma3),
-        tie_word_embeddings: f.tensor_info("output.weight").is_none(),
-        attention_bias: has_layer_bias(f, &["attn_q", "attn_k", "attn_v", "attn_output"]),
-        mlp_bias: has_layer_bias(f, &["ffn_gate", "ffn_up", "ffn_down"]),
-        bos_token_id,
-        eos_token_ids,
-    };
+        specifics,
+    );
     cfg.validate()?;
     Ok(cfg)
 }

@@ -15,7 +15,7 @@ use te_formats::gguf::GgufFile;
 use te_formats::safetensors::SafetensorsSource;
 use te_formats::TensorSource;
 
-use crate::weights::NameScheme;
+use crate::family::NameScheme;
 use crate::Result;
 
 /// Bytes of one f32: te-rs holds weights and the KV cache in f32.

@@ -24,6 +24,7 @@ pub mod convert;
 pub mod cuda;
 pub mod device;
 pub mod error;
+pub mod family;
 pub mod gguf_model;
 pub mod hf;
 pub mod inspect;

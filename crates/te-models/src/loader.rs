@@ -12,7 +12,8 @@ use crate::validate;
 use te_formats::TensorSource;
 use te_tokenizer::Tokenizer;
 
-use crate::weights::{ModelWeights, NameScheme};
+use crate::family::NameScheme;
+use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
 
 /// A model with its tokenizer.
@@ -105,11 +106,7 @@ pub fn load_parts(source: &ModelSource) -> Result<LoadedParts> {
             );
             validate::to_result(dir, problems)?;
             // Hugging Face Gemma checkpoints store w of the (1 + w) norms.
-            let norm_offset = if config.architecture.is_gemma() {
-                1.0
-            } else {
-                0.0
-            };
+            let norm_offset = config.architecture.family().hf_norm_offset;
             let weights = ModelWeights::load(&st, NameScheme::HuggingFace, &config, norm_offset)?;
             Ok(LoadedParts {
                 config,
@@ -130,11 +127,7 @@ pub fn load_parts(source: &ModelSource) -> Result<LoadedParts> {
             );
             validate::to_result(tensors.origin(), problems)?;
             // Stored as Hugging Face stores them: Gemma norms hold w of (1 + w).
-            let norm_offset = if config.architecture.is_gemma() {
-                1.0
-            } else {
-                0.0
-            };
+            let norm_offset = config.architecture.family().hf_norm_offset;
             let weights =
                 ModelWeights::load(&tensors, NameScheme::HuggingFace, &config, norm_offset)?;
             Ok(LoadedParts {

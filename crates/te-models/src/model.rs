@@ -8,7 +8,7 @@ use te_cache::{CacheLayout, HostKvStorage, InferenceParams, KvStorage};
 use te_kernels::rope::{RopeFreqs, RopeScaling, RopeTable};
 use te_kernels::DType;
 
-use crate::config::{Architecture, ModelConfig};
+use crate::config::ModelConfig;
 use crate::cuda::{CudaKvStorage, KvStore};
 use crate::device::{check_tokens, embed_rows, DeviceOps};
 use crate::layer::{Attend, Layer, Rows, Workspace};
@@ -61,7 +61,7 @@ impl RopeTables {
         // Gemma 3's local layers use their own base, always unscaled (Hugging
         // Face `rope_local_base_freq`, rope_type "default"); other families
         // (Gemma 2 included) use one table for every layer.
-        let local = if config.architecture == Architecture::Gemma3
+        let local = if config.architecture.family().local_rope_unscaled
             && (config.rope_local_base_freq != config.rope_theta
                 || config.rope_scaling != RopeScaling::None)
         {

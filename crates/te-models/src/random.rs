@@ -41,7 +41,7 @@ use te_formats::{StoredTensor, TensorSource};
 use te_kernels::quant::GgmlType;
 use te_tokenizer::Tokenizer;
 
-use crate::weights::NameScheme;
+use crate::family::NameScheme;
 use crate::{ModelError, Result};
 
 /// A built-in config for `random:<name>`: Hugging Face `config.json` text.
@@ -318,11 +318,8 @@ impl RandomModel {
             tensors,
             seed: self.seed,
             dtype: self.dtype,
-            norm_base: if cfg.architecture.is_gemma() {
-                0.0
-            } else {
-                1.0
-            },
+            // Effective multipliers near 1: Gemma stores w of (1 + w).
+            norm_base: 1.0 - cfg.architecture.family().hf_norm_offset,
         }
     }
 }

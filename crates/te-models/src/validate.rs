@@ -36,7 +36,7 @@ use te_formats::gguf::GgufFile;
 use te_formats::TensorSource;
 use te_tokenizer::Tokenizer;
 
-use crate::weights::{NameScheme, TensorNames};
+use crate::family::{NameScheme, TensorNames};
 use crate::{ModelError, Result};
 
 /// One tensor a model of a given config reads.

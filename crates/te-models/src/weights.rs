@@ -4,21 +4,13 @@
 
 use std::collections::HashMap;
 
-use crate::config::{Architecture, ModelConfig};
+use crate::config::ModelConfig;
+use crate::family::{NameScheme, TensorNames};
 use te_formats::TensorSource;
 
 use crate::ops::Linear;
 use crate::validate::{check_tensors, expected_tensors};
 use crate::{ModelError, Result};
-
-/// Tensor names of one file format.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum NameScheme {
-    /// GGUF (`blk.N.attn_q.weight`, ...).
-    Gguf,
-    /// Hugging Face (`model.layers.N.self_attn.q_proj.weight`, ...).
-    HuggingFace,
-}
 
 /// One transformer layer's weights. Norm weights are the effective
 /// multipliers (Gemma's `1 + w` already applied). `L` is the matrix type and
@@ -114,93 +106,6 @@ impl<L, V> ModelWeights<L, V> {
             final_norm: vec(&self.final_norm)?,
             lm_head: self.lm_head.as_ref().map(&mut lin).transpose()?,
         })
-    }
-}
-
-/// Tensor names of one architecture in one file format, by role: the one
-/// name mapping used to read weights ([`ModelWeights::load`]) and to write
-/// them (`crate::convert`).
-///
-/// Layer roles: `attn_norm`, `q`, `k`, `v`, `o`, `q_norm`, `k_norm`,
-/// `post_attn_norm`, `ffn_norm`, `gate`, `up`, `down`, `post_ffn_norm`.
-/// Global roles: `embed`, `norm`, `lm_head`. An unknown role is a
-/// programming error and panics.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TensorNames {
-    pub scheme: NameScheme,
-    pub arch: Architecture,
-}
-
-impl TensorNames {
-    /// The name of layer `i`'s weight of role `what` (`blk.3.attn_q.weight`,
-    /// `model.layers.3.self_attn.q_proj.weight`).
-    pub fn layer(&self, i: usize, what: &str) -> String {
-        match self.scheme {
-            NameScheme::Gguf => {
-                let n = match what {
-                    "attn_norm" => "attn_norm",
-                    "q" => "attn_q",
-                    "k" => "attn_k",
-                    "v" => "attn_v",
-                    "o" => "attn_output",
-                    "q_norm" => "attn_q_norm",
-                    "k_norm" => "attn_k_norm",
-                    "post_attn_norm" => "post_attention_norm",
-                    "ffn_norm" => "ffn_norm",
-                    "gate" => "ffn_gate",
-                    "up" => "ffn_up",
-                    "down" => "ffn_down",
-                    "post_ffn_norm" => "post_ffw_norm",
-                    _ => unreachable!("unknown weight role {what}"),
-                };
-                format!("blk.{i}.{n}.weight")
-            }
-            NameScheme::HuggingFace => {
-                let sandwich = matches!(self.arch, Architecture::Gemma2 | Architecture::Gemma3);
-                let n = match what {
-                    "attn_norm" => "input_layernorm",
-                    "q" => "self_attn.q_proj",
-                    "k" => "self_attn.k_proj",
-                    "v" => "self_attn.v_proj",
-                    "o" => "self_attn.o_proj",
-                    "q_norm" => "self_attn.q_norm",
-                    "k_norm" => "self_attn.k_norm",
-                    "post_attn_norm" => "post_attention_layernorm",
-                    // Llama and Gemma 1 call the pre-MLP norm
-                    // `post_attention_layernorm`; Gemma 2/3 have both.
-                    "ffn_norm" if sandwich => "pre_feedforward_layernorm",
-                    "ffn_norm" => "post_attention_layernorm",
-                    "gate" => "mlp.gate_proj",
-                    "up" => "mlp.up_proj",
-                    "down" => "mlp.down_proj",
-                    "post_ffn_norm" => "post_feedforward_layernorm",
-                    _ => unreachable!("unknown weight role {what}"),
-                };
-                format!("model.layers.{i}.{n}.weight")
-            }
-        }
-    }
-
-    /// The name of the bias of layer `i`'s matrix of role `what` (`q`, `k`,
-    /// `v`, `o`, `gate`, `up`, `down`): `blk.3.attn_q.bias`,
-    /// `model.layers.3.self_attn.q_proj.bias`.
-    pub fn layer_bias(&self, i: usize, what: &str) -> String {
-        let weight = self.layer(i, what);
-        let stem = weight.strip_suffix(".weight").unwrap_or(&weight);
-        format!("{stem}.bias")
-    }
-
-    /// The name of a weight outside the layers (`embed`, `norm`, `lm_head`).
-    pub fn global(&self, what: &str) -> &'static str {
-        match (self.scheme, what) {
-            (NameScheme::Gguf, "embed") => "token_embd.weight",
-            (NameScheme::Gguf, "norm") => "output_norm.weight",
-            (NameScheme::Gguf, "lm_head") => "output.weight",
-            (NameScheme::HuggingFace, "embed") => "model.embed_tokens.weight",
-            (NameScheme::HuggingFace, "norm") => "model.norm.weight",
-            (NameScheme::HuggingFace, "lm_head") => "lm_head.weight",
-            _ => unreachable!("unknown weight role {what}"),
-        }
     }
 }
 

@@ -19,8 +19,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use te_cache::CacheLayout;
+use te_models::family::NameScheme;
 use te_models::model::{Logits, Model};
-use te_models::weights::{ModelWeights, NameScheme};
+use te_models::weights::ModelWeights;
 
 // ---------------------------------------------------------------- spec
 
@@ -560,11 +561,7 @@ impl Drop for Checkpoint {
 pub fn load_dir(dir: &Path) -> te_models::Result<Model> {
     let cfg = te_models::hf::load_config(dir)?;
     let src = te_formats::safetensors::SafetensorsSource::open(dir)?;
-    let norm_offset = if cfg.architecture.is_gemma() {
-        1.0
-    } else {
-        0.0
-    };
+    let norm_offset = cfg.architecture.family().hf_norm_offset;
     let weights = ModelWeights::load(&src, NameScheme::HuggingFace, &cfg, norm_offset)?;
     Model::new(cfg, weights)
 }
