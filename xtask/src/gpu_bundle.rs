@@ -2,7 +2,7 @@
 //! that has no Rust toolchain and no network (the `device` tool's
 //! machines): `target/gpu-bundle/` with stripped release binaries (`bin/te`
 //! and the GPU test executables in `tests/`: te-kernels `cuda_parity`,
-//! te-attention `gpu_parity`, te-models `cuda_model`), `run.sh` and
+//! te-attention `gpu_parity`, te-engine `cuda_model`), `run.sh` and
 //! `hf_baseline.py` (both from `xtask/gpu/`), and `gemma-7b.config.json`
 //! (the `random:gemma-7b` preset's config, for the Hugging Face baseline),
 //! under [`MAX_BUNDLE_BYTES`].

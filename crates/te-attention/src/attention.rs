@@ -1,7 +1,7 @@
 //! [`DotProductAttention`]: the configuration, the argument types and the
 //! up-front validation shared by every device path.
 
-use te_kernels::{Element, KvCacheLayout, KvCacheView, QkvFormat};
+use te_kernels::{KvCacheLayout, KvCacheView, QkvFormat};
 
 use crate::error::AttentionError;
 use crate::mask::{AttnMaskType, KeyRange};
@@ -328,7 +328,11 @@ impl Positions<'_> {
     /// positions: the query at position `p` sees the keys at `p - left ..=
     /// p + right` (`right` 0 under a causal mask; a side of -1 or no window
     /// is unbounded), among those held.
-    fn apply(&self, attn: &DotProductAttention, plan: &mut Plan) -> Result<(), AttentionError> {
+    pub(crate) fn apply(
+        &self,
+        attn: &DotProductAttention,
+        plan: &mut Plan,
+    ) -> Result<(), AttentionError> {
         let b = plan.seqs.len();
         let bad = |arg: &'static str, seq: usize, reason: String| {
             Err(AttentionError::InvalidSeqlens {
@@ -395,16 +399,6 @@ impl Positions<'_> {
         }
         Ok(())
     }
-}
-
-/// Buffers of [`DotProductAttention::forward_cpu_with`], kept between
-/// calls: the validated plan, the work units and their partial outputs, and
-/// the kernel's scratch. A forward allocates nothing once its workspace has
-/// seen a forward at least as large, so a model's layers can share one.
-#[derive(Default)]
-pub struct AttentionWorkspace {
-    plan: Plan,
-    cpu: crate::cpu::CpuBuffers,
 }
 
 pub(crate) fn lengths_from_cu(
@@ -768,101 +762,6 @@ impl DotProductAttention {
                 });
             }
         }
-        Ok(())
-    }
-
-    /// Attention on the CPU: a tiled online-softmax kernel (flash-attention
-    /// style), parallel over sequences, KV heads and query tiles (decode:
-    /// sequences and key ranges), f32 accumulation.
-    ///
-    /// - `q`: `[.., h_q, d_qk]` in `qkv_format` (bshd `[b, max_seqlen_q, ..]`,
-    ///   sbhd `[max_seqlen_q, b, ..]`, thd `[t_q, ..]` with
-    ///   `t_q = cu_seqlens_q[b]` exactly: no padded thd). With a padding
-    ///   mask, bshd/sbhd sequence `b` holds its `cu_seqlens_q[b + 1] -
-    ///   cu_seqlens_q[b]` real queries first, then padding.
-    /// - `kv`: see [`KvInput`].
-    /// - `out`: `[.., h_q, d_v]` in `qkv_format`; fully written (rows of
-    ///   padded or fully masked queries get 0). `O` may differ from `T`
-    ///   (e.g. bf16 inputs, f32 partial outputs for an LSE merge).
-    /// - `lse`: optional f32 natural-log LSE, `[b, h_q, max_seqlen_q]`
-    ///   (bshd/sbhd) or `[h_q, t_q]` (thd); -inf for queries that see no key.
-    ///
-    /// Errors: [`AttentionError`] naming the first invalid argument (see
-    /// [`DotProductAttention::validate`], [`AttnMetadata`]); nothing is
-    /// written then.
-    pub fn forward_cpu<T: Element, O: Element>(
-        &self,
-        q: &[T],
-        kv: KvInput<'_, T>,
-        meta: &AttnMetadata<'_>,
-        out: &mut [O],
-        lse: Option<&mut [f32]>,
-    ) -> Result<(), AttentionError> {
-        self.forward_cpu_with(q, kv, meta, out, lse, &mut AttentionWorkspace::default())
-    }
-
-    /// [`forward_cpu`](Self::forward_cpu) with its buffers kept in `ws`
-    /// (same arguments, result and errors): no allocation once `ws` has
-    /// seen a forward of this size, which is how a model's layers call it.
-    pub fn forward_cpu_with<T: Element, O: Element>(
-        &self,
-        q: &[T],
-        kv: KvInput<'_, T>,
-        meta: &AttnMetadata<'_>,
-        out: &mut [O],
-        lse: Option<&mut [f32]>,
-        ws: &mut AttentionWorkspace,
-    ) -> Result<(), AttentionError> {
-        self.forward_cpu_planned(q, kv, meta, None, out, lse, ws)
-    }
-
-    /// [`forward_cpu_with`](Self::forward_cpu_with) where queries and keys
-    /// carry absolute positions ([`Positions`]): the mask and window are
-    /// applied to positions, not to query and key indices, so the keys may
-    /// be any increasing subset of a sequence's positions (a
-    /// context-parallel rank's shard of its KV cache). Top-left and
-    /// bottom-right masks coincide here (positions are absolute). Same
-    /// arguments, outputs and errors otherwise, plus
-    /// [`AttentionError::ShapeMismatch`] / [`AttentionError::InvalidSeqlens`]
-    /// for `positions` that disagree with the sequences or do not
-    /// increase.
-    pub fn forward_cpu_at_positions<T: Element, O: Element>(
-        &self,
-        q: &[T],
-        kv: KvInput<'_, T>,
-        meta: &AttnMetadata<'_>,
-        positions: &Positions<'_>,
-        out: &mut [O],
-        lse: Option<&mut [f32]>,
-        ws: &mut AttentionWorkspace,
-    ) -> Result<(), AttentionError> {
-        self.forward_cpu_planned(q, kv, meta, Some(positions), out, lse, ws)
-    }
-
-    /// Validates, plans (key bounds from `positions` when given) and runs
-    /// the CPU kernel: the body of both CPU forwards.
-    fn forward_cpu_planned<T: Element, O: Element>(
-        &self,
-        q: &[T],
-        kv: KvInput<'_, T>,
-        meta: &AttnMetadata<'_>,
-        positions: Option<&Positions<'_>>,
-        out: &mut [O],
-        lse: Option<&mut [f32]>,
-        ws: &mut AttentionWorkspace,
-    ) -> Result<(), AttentionError> {
-        self.plan_into(
-            q.len(),
-            &kv.lens(),
-            meta,
-            out.len(),
-            lse.as_ref().map(|l| l.len()),
-            &mut ws.plan,
-        )?;
-        if let Some(p) = positions {
-            p.apply(self, &mut ws.plan)?;
-        }
-        crate::cpu::forward(self, &ws.plan, q, kv, meta, out, lse, &mut ws.cpu);
         Ok(())
     }
 }

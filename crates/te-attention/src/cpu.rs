@@ -1,4 +1,7 @@
-//! The CPU kernel: tiled online softmax (flash-attention style).
+//! The CPU path of [`DotProductAttention`]: its entry points
+//! ([`DotProductAttention::forward_cpu`] and the variants taking an
+//! [`AttentionWorkspace`]) and the kernel, tiled online softmax
+//! (flash-attention style).
 //!
 //! Work unit: one sequence `b`, a range of KV heads, a tile of queries and
 //! a range of keys; the unit's rows are (KV head, query, query head of that
@@ -27,7 +30,8 @@
 use rayon::prelude::*;
 use te_kernels::{Element, QkvFormat};
 
-use crate::attention::{AttnMetadata, DotProductAttention, KvInput, Plan};
+use crate::attention::{AttnMetadata, DotProductAttention, KvInput, Plan, Positions};
+use crate::error::AttentionError;
 use crate::merge::merge_row;
 use crate::simd::{prefetch, Portable, Simd};
 #[cfg(target_arch = "x86_64")]
@@ -546,8 +550,115 @@ fn split_keys(units: &mut Vec<Unit>, split: &mut Vec<Unit>, plan: &Plan, group: 
     std::mem::swap(units, split);
 }
 
+/// Buffers of [`DotProductAttention::forward_cpu_with`], kept between
+/// calls: the validated plan, the work units and their partial outputs, and
+/// the kernel's scratch. A forward allocates nothing once its workspace has
+/// seen a forward at least as large, so a model's layers can share one.
+#[derive(Default)]
+pub struct AttentionWorkspace {
+    plan: Plan,
+    cpu: CpuBuffers,
+}
+
+impl DotProductAttention {
+    /// Attention on the CPU: a tiled online-softmax kernel (flash-attention
+    /// style), parallel over sequences, KV heads and query tiles (decode:
+    /// sequences and key ranges), f32 accumulation.
+    ///
+    /// - `q`: `[.., h_q, d_qk]` in `qkv_format` (bshd `[b, max_seqlen_q, ..]`,
+    ///   sbhd `[max_seqlen_q, b, ..]`, thd `[t_q, ..]` with
+    ///   `t_q = cu_seqlens_q[b]` exactly: no padded thd). With a padding
+    ///   mask, bshd/sbhd sequence `b` holds its `cu_seqlens_q[b + 1] -
+    ///   cu_seqlens_q[b]` real queries first, then padding.
+    /// - `kv`: see [`KvInput`].
+    /// - `out`: `[.., h_q, d_v]` in `qkv_format`; fully written (rows of
+    ///   padded or fully masked queries get 0). `O` may differ from `T`
+    ///   (e.g. bf16 inputs, f32 partial outputs for an LSE merge).
+    /// - `lse`: optional f32 natural-log LSE, `[b, h_q, max_seqlen_q]`
+    ///   (bshd/sbhd) or `[h_q, t_q]` (thd); -inf for queries that see no key.
+    ///
+    /// Errors: [`AttentionError`] naming the first invalid argument (see
+    /// [`DotProductAttention::validate`], [`AttnMetadata`]); nothing is
+    /// written then.
+    pub fn forward_cpu<T: Element, O: Element>(
+        &self,
+        q: &[T],
+        kv: KvInput<'_, T>,
+        meta: &AttnMetadata<'_>,
+        out: &mut [O],
+        lse: Option<&mut [f32]>,
+    ) -> Result<(), AttentionError> {
+        self.forward_cpu_with(q, kv, meta, out, lse, &mut AttentionWorkspace::default())
+    }
+
+    /// [`forward_cpu`](Self::forward_cpu) with its buffers kept in `ws`
+    /// (same arguments, result and errors): no allocation once `ws` has
+    /// seen a forward of this size, which is how a model's layers call it.
+    pub fn forward_cpu_with<T: Element, O: Element>(
+        &self,
+        q: &[T],
+        kv: KvInput<'_, T>,
+        meta: &AttnMetadata<'_>,
+        out: &mut [O],
+        lse: Option<&mut [f32]>,
+        ws: &mut AttentionWorkspace,
+    ) -> Result<(), AttentionError> {
+        self.forward_cpu_planned(q, kv, meta, None, out, lse, ws)
+    }
+
+    /// [`forward_cpu_with`](Self::forward_cpu_with) where queries and keys
+    /// carry absolute positions ([`Positions`]): the mask and window are
+    /// applied to positions, not to query and key indices, so the keys may
+    /// be any increasing subset of a sequence's positions (a
+    /// context-parallel rank's shard of its KV cache). Top-left and
+    /// bottom-right masks coincide here (positions are absolute). Same
+    /// arguments, outputs and errors otherwise, plus
+    /// [`AttentionError::ShapeMismatch`] / [`AttentionError::InvalidSeqlens`]
+    /// for `positions` that disagree with the sequences or do not
+    /// increase.
+    pub fn forward_cpu_at_positions<T: Element, O: Element>(
+        &self,
+        q: &[T],
+        kv: KvInput<'_, T>,
+        meta: &AttnMetadata<'_>,
+        positions: &Positions<'_>,
+        out: &mut [O],
+        lse: Option<&mut [f32]>,
+        ws: &mut AttentionWorkspace,
+    ) -> Result<(), AttentionError> {
+        self.forward_cpu_planned(q, kv, meta, Some(positions), out, lse, ws)
+    }
+
+    /// Validates, plans (key bounds from `positions` when given) and runs
+    /// the CPU kernel: the body of both CPU forwards.
+    fn forward_cpu_planned<T: Element, O: Element>(
+        &self,
+        q: &[T],
+        kv: KvInput<'_, T>,
+        meta: &AttnMetadata<'_>,
+        positions: Option<&Positions<'_>>,
+        out: &mut [O],
+        lse: Option<&mut [f32]>,
+        ws: &mut AttentionWorkspace,
+    ) -> Result<(), AttentionError> {
+        self.plan_into(
+            q.len(),
+            &kv.lens(),
+            meta,
+            out.len(),
+            lse.as_ref().map(|l| l.len()),
+            &mut ws.plan,
+        )?;
+        if let Some(p) = positions {
+            p.apply(self, &mut ws.plan)?;
+        }
+        forward(self, &ws.plan, q, kv, meta, out, lse, &mut ws.cpu);
+        Ok(())
+    }
+}
+
 /// The CPU path's buffers, reused across forwards (see
-/// [`crate::AttentionWorkspace`]).
+/// [`AttentionWorkspace`]).
 #[derive(Default)]
 pub(crate) struct CpuBuffers {
     units: Vec<Unit>,

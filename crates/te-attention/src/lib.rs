@@ -36,7 +36,8 @@ mod tile_math;
 
 pub use ndarray;
 
-pub use attention::{AttentionWorkspace, AttnMetadata, DotProductAttention, KvInput, Positions};
+pub use attention::{AttnMetadata, DotProductAttention, KvInput, Positions};
+pub use cpu::AttentionWorkspace;
 pub use error::AttentionError;
 pub use mask::{AttnMaskType, KeyRange};
 pub use merge::{merge_partial, merge_row};

@@ -116,16 +116,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let ntg = parse_list("--ntg", &args.ntg, None, false)?;
         let npl = parse_list("--npl", &args.npl, None, false)?;
         let threads = args.threads.init()?;
-        let loaded = crate::load_on(&args.model, &args.device)?;
-        batched(
-            &loaded.model,
-            &loaded.tokenizer,
-            &npp,
-            &ntg,
-            &npl,
-            threads,
-            format,
-        )
+        let placed = crate::load_on(&args.model, &args.device)?;
+        batched(&placed, &npp, &ntg, &npl, threads, format)
     } else {
         if !args.npp.is_empty() || !args.ntg.is_empty() || !args.npl.is_empty() {
             bail!("--npp/--ntg/--npl need --batched");
@@ -142,7 +134,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let threads = args.threads.init()?;
         let source = te_models::source::resolve_model(&args.model)?;
         let info = te_models::inspect::inspect(&source)?;
-        let loaded = crate::load_on(&args.model, &args.device)?;
+        let placed = crate::load_on(&args.model, &args.device)?;
         let desc = ModelDesc::new(&source, &info);
         let tests: Vec<(usize, usize)> = n_prompt
             .iter()
@@ -150,15 +142,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .chain(n_gen.iter().map(|&n| (0, n)))
             .filter(|&t| t != (0, 0))
             .collect();
-        single(
-            &loaded.model,
-            &loaded.tokenizer,
-            &desc,
-            &tests,
-            args.repetitions,
-            threads,
-            format,
-        )
+        single(&placed, &desc, &tests, args.repetitions, threads, format)
     }
 }
 
@@ -354,16 +338,21 @@ fn mean_stddev(v: &[f64]) -> (f64, f64) {
 /// holds it, steps of up to [`N_BATCH`] tokens. The warm-up and every
 /// repetition of the test reuse it (llama-bench reuses its context), so
 /// the timed runs find their buffers allocated and touched.
-fn test_engine(model: &Model, n_prompt: usize, n_gen: usize) -> anyhow::Result<Engine<'_>> {
+fn test_engine<'m>(
+    placed: &'m crate::Placed,
+    n_prompt: usize,
+    n_gen: usize,
+) -> anyhow::Result<Engine<'m>> {
     let config = EngineConfig {
         max_batch_size: 1,
         prefill_chunk: N_BATCH,
         max_step_tokens: N_BATCH,
         kv_cache_tokens: Some(n_prompt.max(1) + n_gen.max(1) + 1),
         prefix_caching: false,
+        gpu: placed.gpu.clone(),
         ..EngineConfig::default()
     };
-    Ok(Engine::new(model, None, config)?)
+    Ok(Engine::new(&placed.loaded.model, None, config)?)
 }
 
 /// One timed run, in ns: `n_prompt` prompt tokens and their first token
@@ -389,14 +378,14 @@ fn measure(
 }
 
 fn single(
-    model: &Model,
-    tokenizer: &te_tokenizer::tokenizer::Tokenizer,
+    placed: &crate::Placed,
     desc: &ModelDesc,
     tests: &[(usize, usize)],
     reps: usize,
     threads: usize,
     format: Format,
 ) -> anyhow::Result<()> {
+    let (model, tokenizer) = (&placed.loaded.model, &placed.loaded.tokenizer);
     for &(p, n) in tests {
         if p > 0 {
             check_context(model, p + 1, &format!("pp{p}"))?;
@@ -420,12 +409,9 @@ fn single(
     out.flush()?;
     let cpu = cpu_info();
     // llama-bench's backend names.
-    let backend = match model.device() {
-        te_models::cuda::Device::Cuda(_) => "CUDA",
-        _ => "CPU",
-    };
+    let backend = if placed.gpu.is_some() { "CUDA" } else { "CPU" };
     for (i, &(n_prompt, n_gen)) in tests.iter().enumerate() {
-        let mut engine = test_engine(model, n_prompt, n_gen)?;
+        let mut engine = test_engine(placed, n_prompt, n_gen)?;
         // Warm-up: the whole prompt for pp, one token for tg (llama-bench).
         if n_prompt > 0 {
             measure(&mut engine, bos, n_prompt, 0)?;
@@ -500,14 +486,14 @@ fn single(
 }
 
 fn batched(
-    model: &Model,
-    tokenizer: &te_tokenizer::tokenizer::Tokenizer,
+    placed: &crate::Placed,
     npp: &[usize],
     ntg: &[usize],
     npl: &[usize],
     threads: usize,
     format: Format,
 ) -> anyhow::Result<()> {
+    let (model, tokenizer) = (&placed.loaded.model, &placed.loaded.tokenizer);
     for &pp in npp {
         for &tg in ntg {
             check_context(model, pp + tg + 1, &format!("--npp {pp} --ntg {tg}"))?;
@@ -543,6 +529,7 @@ fn batched(
         max_step_tokens: (max_pl * chunk).max(N_BATCH),
         kv_cache_tokens: Some(kv.max(per_seq(WARMUP_TOKENS, 1))),
         prefix_caching: false,
+        gpu: placed.gpu.clone(),
         ..EngineConfig::default()
     };
     let n_batch = config.max_step_tokens;
@@ -555,7 +542,7 @@ fn batched(
             .map_err(|e| anyhow::anyhow!("{e}"))?;
     }
     run_timed(&mut engine, max_pl)?;
-    if model.cuda_graphs() {
+    if placed.gpu.as_ref().is_some_and(|g| g.graphs()) {
         let warmup = WARMUP_TOKENS.min(model.config.max_position_embeddings - 1);
         // Each batch size's decode graph is captured here rather than in a
         // timed run (a page table that outgrows the width it was captured

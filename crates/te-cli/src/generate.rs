@@ -160,7 +160,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         device.device = te_models::cuda::Device::Cpu;
     }
-    let loaded = crate::load_on(&args.model, &device)?;
+    let placed = crate::load_on(&args.model, &device)?;
+    let loaded = &placed.loaded;
     let tokenizer = &loaded.tokenizer;
     let mut prompt_tokens = Vec::with_capacity(prompts.len());
     for (i, p) in prompts.iter().enumerate() {
@@ -179,7 +180,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let job = Job {
         args: &args,
-        loaded: &loaded,
+        loaded,
+        gpu: placed.gpu.clone(),
         prompts: &prompts,
         prompt_tokens: &prompt_tokens,
         sampling,
@@ -235,6 +237,8 @@ fn run_mpi(_: &Job<'_>) -> anyhow::Result<()> {
 struct Job<'a> {
     args: &'a Args,
     loaded: &'a LoadedModel,
+    /// The model's weights on the GPU the steps run on (`None`: CPU).
+    gpu: Option<std::sync::Arc<te_models::cuda::CudaModel>>,
     prompts: &'a [String],
     prompt_tokens: &'a [Vec<u32>],
     sampling: SamplingParams,
@@ -250,6 +254,7 @@ impl Job<'_> {
             max_batch_size: args.max_batch_size,
             kv_cache_tokens: args.kv_cache_tokens,
             prefix_caching: !args.no_prefix_caching,
+            gpu: self.gpu.clone(),
             ..EngineConfig::default()
         };
         let model = &self.loaded.model;

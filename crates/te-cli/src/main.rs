@@ -175,7 +175,7 @@ fn parse_device(s: &str) -> Result<te_models::cuda::Device, String> {
 /// The GPU is opened before the weights are read, so a missing library or
 /// device fails at once.
 /// Errors: the GPU (named), `--cuda-graphs` without a GPU.
-fn load_on(spec: &str, device: &DeviceArg) -> anyhow::Result<te_models::loader::LoadedModel> {
+fn load_on(spec: &str, device: &DeviceArg) -> anyhow::Result<Placed> {
     if device.cuda_graphs && device.device == te_models::cuda::Device::Cpu {
         anyhow::bail!("--cuda-graphs needs a GPU: use --device cuda[:N] (not --device cpu)");
     }
@@ -183,21 +183,33 @@ fn load_on(spec: &str, device: &DeviceArg) -> anyhow::Result<te_models::loader::
     if device.cuda_graphs && gpu.is_none() {
         anyhow::bail!("--cuda-graphs needs a GPU: --device auto found none");
     }
-    let mut loaded = load(spec)?;
-    let on = loaded.model.place(gpu)?;
-    loaded.model.set_cuda_graphs(device.cuda_graphs)?;
-    if let (te_models::cuda::Device::Cuda(n), Some(cm)) = (on, loaded.model.cuda()) {
-        note(format_args!(
-            "running on cuda:{n} (GEMM: {:?}{})",
-            cm.gemm_backend(),
-            if device.cuda_graphs {
-                ", CUDA graphs for decode steps"
-            } else {
-                ""
-            }
-        ));
-    }
-    Ok(loaded)
+    let loaded = load(spec)?;
+    let gpu = match gpu {
+        None => None,
+        Some(cuda) => {
+            let mut cm = te_models::cuda::CudaModel::upload(&loaded.model, cuda)?;
+            cm.set_graphs(device.cuda_graphs);
+            note(format_args!(
+                "running on cuda:{} (GEMM: {:?}{})",
+                cm.ordinal(),
+                cm.gemm_backend(),
+                if device.cuda_graphs {
+                    ", CUDA graphs for decode steps"
+                } else {
+                    ""
+                }
+            ));
+            Some(std::sync::Arc::new(cm))
+        }
+    };
+    Ok(Placed { loaded, gpu })
+}
+
+/// A loaded model, and its weights on the GPU its steps run on (`None`:
+/// the CPU; set as the engines' `EngineConfig::gpu`).
+pub(crate) struct Placed {
+    pub loaded: te_models::loader::LoadedModel,
+    pub gpu: Option<std::sync::Arc<te_models::cuda::CudaModel>>,
 }
 
 /// Resolves and loads `--model`, reporting progress on stderr.

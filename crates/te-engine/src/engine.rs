@@ -26,7 +26,8 @@
 //!   a ring overwrites its pages as it turns.
 //! - **One plan per step**: `pre_step` builds the step's [`te_cache::StepPlan`],
 //!   which every layer borrows; the forward reuses one
-//!   `Workspace` (`te_models::layer::Workspace`).
+//!   `Workspace` (`te_models::layer::Workspace`, held by the engine's
+//!   `te_models::runner::Runner`).
 //! - **Text**: each token event carries its text delta: UTF-8-complete,
 //!   with any tail that may still become a stop string held back until it
 //!   can no longer match; a stop string ends the request with
@@ -53,7 +54,7 @@
 //! and all work is done.
 
 use std::collections::VecDeque;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
 use rayon::prelude::*;
@@ -61,9 +62,9 @@ use rayon::prelude::*;
 use te_cache::{CacheLayout, InferenceParams};
 
 use te_models::context_parallel::ContextParallel;
-use te_models::cuda::{KvStore, StepOutput};
-use te_models::layer::Workspace;
-use te_models::model::Model;
+use te_models::cuda::{CudaModel, KvStore};
+use te_models::model::{Model, StepOutput};
+use te_models::runner::Runner;
 use te_models::{ModelError, Result};
 use te_tokenizer::{DecodeStream, Tokenizer};
 
@@ -215,6 +216,9 @@ pub struct EngineConfig {
     pub kv_cache_tokens: Option<usize>,
     /// Share the pages of common prompt prefixes (where the model allows).
     pub prefix_caching: bool,
+    /// The model's weights on a GPU (`CudaModel::upload`) to run the steps
+    /// there; `None`: the CPU.
+    pub gpu: Option<Arc<CudaModel>>,
 }
 
 impl Default for EngineConfig {
@@ -226,6 +230,7 @@ impl Default for EngineConfig {
             page_size: 16,
             kv_cache_tokens: None,
             prefix_caching: true,
+            gpu: None,
         }
     }
 }
@@ -319,7 +324,8 @@ pub struct Engine<'a> {
     config: EngineConfig,
     /// On the model's device (host memory, or the GPU's).
     cache: InferenceParams<KvStore>,
-    ws: Workspace,
+    /// The device the steps run on, with its reused buffers.
+    runner: Runner,
     /// A layer of the full-attention pool (its pages are the capacity).
     full_layer: usize,
     kv_capacity_tokens: usize,
@@ -366,7 +372,9 @@ impl<'a> Engine<'a> {
             .kv_cache_tokens
             .unwrap_or_else(|| Self::default_kv_cache_tokens(model));
         let total_num_pages = tokens.div_ceil(config.page_size);
-        let cache = model.new_step_cache(
+        let runner = Runner::new(config.gpu.clone());
+        let cache = runner.new_cache(
+            model,
             config.max_batch_size,
             model.config.max_position_embeddings,
             config.prefill_chunk,
@@ -386,7 +394,7 @@ impl<'a> Engine<'a> {
             tokenizer,
             config,
             cache,
-            ws: Workspace::default(),
+            runner,
             full_layer,
             kv_capacity_tokens,
             waiting: VecDeque::new(),
@@ -413,7 +421,7 @@ impl<'a> Engine<'a> {
         config: EngineConfig,
         mut cp: ContextParallel,
     ) -> Result<Self> {
-        if model.cuda().is_some() {
+        if config.gpu.is_some() {
             return Err(ModelError::Request(
                 "context parallelism runs on the CPU only (--device cpu)".into(),
             ));
@@ -694,14 +702,17 @@ impl<'a> Engine<'a> {
         let vocab = self.model.config.vocab_size;
         // Plain greedy everywhere: the device may pick the tokens itself.
         let greedy = self.running.iter().all(|s| s.sampler.is_plain_greedy());
-        let forward = match self.cp.as_mut() {
-            Some(cp) => self
+        let forward = match (self.cp.as_mut(), self.runner.cpu_workspace()) {
+            (Some(cp), Some(ws)) => self
                 .model
-                .forward_context_parallel(&tokens, &mut self.cache, cp, &mut self.ws)
+                .forward_context_parallel(&tokens, &mut self.cache, cp, ws)
                 .map(StepOutput::Logits),
-            None => self
-                .model
-                .forward_step(&tokens, &mut self.cache, greedy, &mut self.ws),
+            (Some(_), None) => Err(ModelError::Request(
+                "context parallelism runs on the CPU only".into(),
+            )),
+            (None, _) => self
+                .runner
+                .step(self.model, &tokens, &mut self.cache, greedy),
         };
         let out = match forward {
             Ok(l) => l,

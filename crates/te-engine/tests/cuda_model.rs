@@ -9,6 +9,8 @@
 //! Device tests are `#[ignore = "needs a CUDA GPU: cargo xtask test
 //! --gpu"]`; the NVRTC compile check runs everywhere libnvrtc loads.
 
+use std::sync::Arc;
+
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use rand::{Rng, SeedableRng};
@@ -17,10 +19,11 @@ use te_engine::engine::{EngineConfig, Request};
 use te_formats::WeightData;
 use te_models::config::Activation;
 use te_models::cuda::ops::{GEMM_CU, MODEL_OPS_CU};
-use te_models::cuda::{Cuda, CudaLinear, Device, GemmBackend, StepOutput};
+use te_models::cuda::{Cuda, CudaLinear, CudaModel, Device, GemmBackend};
 use te_models::device::{Cpu, DeviceOps};
-use te_models::model::{Logits, Model};
+use te_models::model::{Logits, Model, StepOutput};
 use te_models::ops::Linear;
+use te_models::runner::Runner;
 
 type Rng64 = rand::rngs::StdRng;
 
@@ -258,16 +261,18 @@ fn tiny(preset: &str) -> Model {
     model
 }
 
+/// `model`'s weights on GPU 0.
+fn upload(model: &Model) -> Arc<CudaModel> {
+    let cuda = Device::Cuda(0).open().unwrap().expect("GPU 0");
+    Arc::new(CudaModel::upload(model, cuda).unwrap())
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test --gpu"]
 fn tiny_models_cuda_match_cpu() {
     for preset in ["tiny-llama", "tiny-gemma", "tiny-gemma2", "tiny-gemma3"] {
-        let cpu_model = tiny(preset);
-        let mut gpu_model = tiny(preset);
-        assert_eq!(
-            gpu_model.to_device(Device::Cuda(0)).unwrap(),
-            Device::Cuda(0)
-        );
+        let model = tiny(preset);
+        let gpu = upload(&model);
         // One prefill step of two prompts: last-token logits.
         let prompts: [&[u32]; 2] = [&[1, 5, 9, 13, 2, 7, 7, 30], &[4, 3]];
         let tokens: Vec<u32> = prompts.concat();
@@ -280,16 +285,13 @@ fn tiny_models_cuda_match_cpu() {
             page_size: 4,
             total_num_pages: 16,
         };
-        let mut host = cpu_model.new_cache(2, 64, 16, layout).unwrap();
+        let mut host = model.new_cache(2, 64, 16, layout).unwrap();
         host.pre_step(&steps).unwrap();
-        let want = cpu_model.forward(&tokens, &mut host, Logits::Last).unwrap();
-        let mut dev = gpu_model.new_step_cache(2, 64, 16, layout).unwrap();
+        let want = model.forward(&tokens, &mut host, Logits::Last).unwrap();
+        let mut runner = Runner::new(Some(gpu.clone()));
+        let mut dev = runner.new_cache(&model, 2, 64, 16, layout).unwrap();
         dev.pre_step(&steps).unwrap();
-        let mut ws = Default::default();
-        let got = match gpu_model
-            .forward_step(&tokens, &mut dev, false, &mut ws)
-            .unwrap()
-        {
+        let got = match runner.step(&model, &tokens, &mut dev, false).unwrap() {
             StepOutput::Logits(l) => l.to_vec(),
             StepOutput::Tokens(_) => panic!("{preset}: asked for logits"),
         };
@@ -304,9 +306,12 @@ fn tiny_models_cuda_match_cpu() {
                 ..Request::new(p.to_vec(), 12)
             })
             .collect();
-        let config = EngineConfig::default();
-        let run = |m: &Model| {
-            te_engine::generate::generate(m, &requests, &config, |_, _| {
+        let run = |gpu: Option<Arc<CudaModel>>| {
+            let config = EngineConfig {
+                gpu,
+                ..EngineConfig::default()
+            };
+            te_engine::generate::generate(&model, &requests, &config, |_, _| {
                 te_engine::generate::Control::Continue
             })
             .unwrap()
@@ -314,7 +319,7 @@ fn tiny_models_cuda_match_cpu() {
             .map(|o| o.tokens)
             .collect::<Vec<_>>()
         };
-        assert_eq!(run(&gpu_model), run(&cpu_model), "{preset}: greedy tokens");
+        assert_eq!(run(Some(gpu)), run(None), "{preset}: greedy tokens");
     }
 }
 
@@ -326,14 +331,11 @@ fn tiny_models_cuda_match_cpu() {
 /// seed (the logits copied back), since greedy decoding of a tied-embedding
 /// random model tends to repeat its last token whatever the weights.
 fn graph_run(preset: &str, batch: usize, graphs: bool, sampled: bool) -> Vec<Vec<u32>> {
-    let mut model = tiny(preset);
-    model.to_device(Device::Cuda(0)).unwrap();
-    model
-        .cuda()
-        .unwrap()
-        .set_gemm_backend(GemmBackend::Kernel)
-        .unwrap();
-    model.set_cuda_graphs(graphs).unwrap();
+    let model = tiny(preset);
+    let cuda = Device::Cuda(0).open().unwrap().expect("GPU 0");
+    let mut gpu = CudaModel::upload(&model, cuda).unwrap();
+    gpu.set_gemm_backend(GemmBackend::Kernel).unwrap();
+    gpu.set_graphs(graphs);
     let requests: Vec<Request> = (0..batch)
         .map(|i| {
             let prompt = (0..2 + (i * 5) % 11)
@@ -352,6 +354,7 @@ fn graph_run(preset: &str, batch: usize, graphs: bool, sampled: bool) -> Vec<Vec
         .collect();
     let config = EngineConfig {
         max_batch_size: 128,
+        gpu: Some(Arc::new(gpu)),
         ..EngineConfig::default()
     };
     te_engine::generate::generate(&model, &requests, &config, |_, _| {
@@ -378,14 +381,6 @@ fn graph_decode_matches_plain_decode() {
             }
         }
     }
-}
-
-#[test]
-fn cuda_graphs_need_a_gpu_model() {
-    let mut model = tiny("tiny-llama");
-    let err = model.set_cuda_graphs(true).unwrap_err().to_string();
-    assert!(err.contains("--cuda-graphs needs a GPU"), "{err}");
-    model.set_cuda_graphs(false).unwrap();
 }
 
 /// Seconds per call of `f` (after one warm-up call), the stream synchronized

@@ -7,7 +7,9 @@
 
 use rayon::prelude::*;
 
-use crate::rope::SharedMut;
+// `check_cu_seqlens` is re-exported for `crate::nd`.
+pub(crate) use crate::cu_seqlens::check_cu_seqlens;
+use crate::shared_mut::SharedMut;
 use crate::{Element, KernelError, KvCacheLayout, QkvFormat};
 
 const OP: &str = "save_kv";
@@ -28,40 +30,6 @@ pub struct KvStep<'a> {
     pub cu_seqlens: &'a [i32],
     /// `s` of bshd/sbhd (`>= every step_len_b`); ignored for thd.
     pub max_seqlen: usize,
-}
-
-/// Checks `cu_seqlens: [batch + 1]`, starting at 0 and non-decreasing.
-pub(crate) fn check_cu_seqlens(
-    op: &'static str,
-    cu_seqlens: &[i32],
-    batch: usize,
-) -> Result<(), KernelError> {
-    if cu_seqlens.len() != batch + 1 {
-        return Err(KernelError::ShapeMismatch {
-            op,
-            arg: "cu_seqlens",
-            expected: vec![batch + 1],
-            got: vec![cu_seqlens.len()],
-        });
-    }
-    if cu_seqlens[0] != 0 {
-        return Err(KernelError::InvalidArgument {
-            op,
-            arg: "cu_seqlens",
-            reason: format!("cu_seqlens[0] = {}, expected 0", cu_seqlens[0]),
-        });
-    }
-    if let Some(b) = (0..batch).find(|&b| cu_seqlens[b + 1] < cu_seqlens[b]) {
-        return Err(KernelError::InvalidArgument {
-            op,
-            arg: "cu_seqlens",
-            reason: format!(
-                "sequence {b} has negative length {}",
-                cu_seqlens[b + 1] - cu_seqlens[b]
-            ),
-        });
-    }
-    Ok(())
 }
 
 /// The copies one save performs: `(source token row, cache row)` pairs,

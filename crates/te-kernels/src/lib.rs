@@ -28,6 +28,7 @@
 //! [`KernelError`] naming the offending argument, never panics on bad input.
 
 pub mod activation;
+mod cu_seqlens;
 pub mod cuda;
 pub mod element;
 pub mod error;
@@ -39,6 +40,7 @@ pub mod nd;
 pub mod norm;
 pub mod quant;
 pub mod rope;
+mod shared_mut;
 
 pub use ndarray;
 

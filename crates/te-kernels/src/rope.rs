@@ -9,6 +9,9 @@
 
 use rayon::prelude::*;
 
+use crate::cu_seqlens::check_cu_seqlens;
+// `SharedMut` is re-exported for `crate::nd`.
+pub(crate) use crate::shared_mut::SharedMut;
 use crate::{Element, KernelError, QkvFormat};
 
 const OP: &str = "rope";
@@ -405,7 +408,7 @@ impl RopeArgs<'_> {
         }
         let tokens = match self.format {
             QkvFormat::Thd => {
-                crate::kv_save::check_cu_seqlens(OP, self.cu_seqlens, self.batch)?;
+                check_cu_seqlens(OP, self.cu_seqlens, self.batch)?;
                 self.cu_seqlens[self.batch] as usize
             }
             _ => {
@@ -521,12 +524,6 @@ pub(crate) fn check_no_overlap(args: &RopeArgs, plan: &RopePlan) -> Result<(), K
     }
     Ok(())
 }
-
-/// A raw pointer that rayon tasks may share; every user writes disjoint elements.
-#[derive(Clone, Copy)]
-pub(crate) struct SharedMut<T>(pub *mut T);
-unsafe impl<T: Send> Send for SharedMut<T> {}
-unsafe impl<T: Send> Sync for SharedMut<T> {}
 
 /// Rotates every token row; reads through `src` with `src_strides` and writes
 /// through `dst` with `dst_strides` (equal pointers and strides: in place).

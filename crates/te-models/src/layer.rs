@@ -272,8 +272,8 @@ pub(crate) type Attend<'a, D> = dyn FnMut(&Layer, &mut D, Qkv<'_, <D as DeviceOp
 
 /// The buffers of one forward pass, reused from step to step: the layers'
 /// intermediates (`[t, hidden]`, `[t, h * d]`, `[t, intermediate]` each),
-/// the CPU device (its matrix-vector scratch and attention's workspace),
-/// and the CUDA path's device buffers when a model runs there. Buffers only
+/// the CPU device (its matrix-vector scratch and attention's workspace).
+/// Buffers only
 /// grow, so a run of decode steps allocates nothing here after the first.
 #[derive(Default)]
 pub struct Workspace {
@@ -287,8 +287,4 @@ pub struct Workspace {
     pub(crate) rows: Vec<usize>,
     pub(crate) h: Vec<f32>,
     pub(crate) logits: Vec<f32>,
-    /// Greedy tokens `[b]` of a CUDA step that took them on the device.
-    pub(crate) tokens: Vec<u32>,
-    /// The CUDA path's buffers, made on its first step.
-    pub(crate) cuda: Option<Box<crate::cuda::CudaWorkspace>>,
 }

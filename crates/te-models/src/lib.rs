@@ -33,6 +33,7 @@ pub mod loader;
 pub mod model;
 pub mod ops;
 pub mod random;
+pub mod runner;
 pub mod source;
 pub mod validate;
 pub mod weights;

@@ -9,11 +9,19 @@ use te_kernels::rope::{RopeFreqs, RopeScaling, RopeTable};
 use te_kernels::DType;
 
 use crate::config::ModelConfig;
-use crate::cuda::{CudaKvStorage, KvStore};
 use crate::device::{check_tokens, embed_rows, DeviceOps};
 use crate::layer::{Attend, Layer, Rows, Workspace};
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
+
+/// What a step hands back.
+#[derive(Debug)]
+pub enum StepOutput<'w> {
+    /// f32 logits `[b, vocab]` of each sequence's last token.
+    Logits(&'w [f32]),
+    /// Greedy tokens `[b]`, chosen on the device.
+    Tokens(&'w [u32]),
+}
 
 /// Which positions of a step get logits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,8 +41,6 @@ pub struct Model {
     /// (grown by [`Model::rope_covering`], never past
     /// `max_position_embeddings`).
     rope: Mutex<Arc<RopeTables>>,
-    /// The weights on a GPU after [`Model::to_device`] (`None`: CPU).
-    pub(crate) cuda: Option<crate::cuda::CudaModel>,
 }
 
 /// A model's RoPE tables for positions `0..positions`: the global layers'
@@ -112,7 +118,6 @@ impl Model {
             weights,
             layers,
             rope: Mutex::new(Arc::new(rope)),
-            cuda: None,
         })
     }
 
@@ -159,25 +164,9 @@ impl Model {
         self.new_cache_in(max_batch_size, max_seqlen, max_step_len, layout, storage)
     }
 
-    /// [`new_cache`](Self::new_cache) on the model's device: host memory
-    /// for a CPU model, device memory after [`Model::to_device`] (what
-    /// [`Model::forward_step`] and the engine use).
-    pub fn new_step_cache(
-        &self,
-        max_batch_size: usize,
-        max_seqlen: usize,
-        max_step_len: usize,
-        layout: CacheLayout,
-    ) -> Result<InferenceParams<KvStore>> {
-        let layers = self.config.num_hidden_layers;
-        let storage = match &self.cuda {
-            None => KvStore::Host(HostKvStorage::new(DType::F32, layers)),
-            Some(cm) => KvStore::Cuda(CudaKvStorage::new(cm.stream()?, layers)),
-        };
-        self.new_cache_in(max_batch_size, max_seqlen, max_step_len, layout, storage)
-    }
-
-    fn new_cache_in<S: KvStorage>(
+    /// [`new_cache`](Self::new_cache) over `storage` (host or device
+    /// memory: `crate::runner::Runner::new_cache` picks).
+    pub fn new_cache_in<S: KvStorage>(
         &self,
         max_batch_size: usize,
         max_seqlen: usize,

@@ -4,7 +4,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
@@ -19,7 +19,7 @@ use super::bridge::{self, Generation, SubmitError};
 use super::error::ApiError;
 use super::metrics::{InFlight, Metrics};
 use super::response::{self, Delta, Meta, TokenIds};
-use super::routes::AppState;
+use super::state::{unix_now, AppState};
 
 /// Default `max_tokens` of `/v1/completions` (OpenAI's).
 const DEFAULT_COMPLETION_TOKENS: usize = 16;
@@ -499,11 +499,4 @@ fn internal(message: String) -> ApiError {
         "internal_error",
         message,
     )
-}
-
-/// Seconds since the Unix epoch.
-pub fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }

@@ -9,12 +9,12 @@
 //!
 //! The engine runs on a thread of its own; every request joins the running
 //! batch at its next step, and a client that disconnects mid-stream frees
-//! its sequence at the step after. Modules: [`routes`] (state, router,
-//! API key, small endpoints), [`completions`] (the two generation
-//! endpoints), [`api`] (request parsing and validation), [`response`]
-//! (response and chunk bodies), [`error`] (OpenAI error bodies), [`bridge`]
-//! (async side of the engine handle), [`metrics`] (Prometheus text),
-//! [`listener`] (connection limit).
+//! its sequence at the step after. Modules: [`state`] (what every handler
+//! shares), [`routes`] (router, API key, small endpoints), [`completions`]
+//! (the two generation endpoints), [`api`] (request parsing and
+//! validation), [`response`] (response and chunk bodies), [`error`] (OpenAI
+//! error bodies), [`bridge`] (async side of the engine handle), [`metrics`]
+//! (Prometheus text), [`listener`] (connection limit).
 //!
 //! Shutdown (SIGINT or SIGTERM): stop accepting, answer new generation
 //! requests on open connections with 503, let running ones finish for
@@ -29,6 +29,7 @@ mod listener;
 mod metrics;
 mod response;
 mod routes;
+mod state;
 
 use std::future::IntoFuture;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -39,7 +40,7 @@ use anyhow::{bail, Context};
 use te_engine::engine::{channel, Engine, EngineConfig};
 use tokio::sync::watch;
 
-use routes::AppState;
+use state::AppState;
 
 #[derive(clap::Args)]
 pub struct Args {

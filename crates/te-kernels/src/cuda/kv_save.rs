@@ -3,9 +3,19 @@
 
 use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 
-use super::{cuda_err, CudaDevice, CudaElement, KV_CACHE_CU, KV_CACHE_THREADS};
+use super::device::{cuda_err, CudaDevice, CudaElement};
+use super::source::KernelSource;
 use crate::kv_save::plan_save;
 use crate::{ConvertArgs, KernelError, KvCacheLayout, KvStep};
+
+/// `kernels/kv_cache.cu`.
+pub const KV_CACHE_CU: KernelSource = KernelSource {
+    name: "kv_cache.cu",
+    text: include_str!("../../../../kernels/kv_cache.cu"),
+};
+
+/// Threads per block of `kv_save_*` and the thd<->bshd conversions.
+pub const KV_CACHE_THREADS: u32 = 128;
 
 /// Mirror of `KvSaveParams` in `kernels/kv_cache.cu`.
 #[repr(C)]

@@ -3,9 +3,19 @@
 
 use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 
-use super::{cuda_err, CudaDevice, CudaElement, ROPE_CU, ROPE_THREADS};
+use super::device::{cuda_err, CudaDevice, CudaElement};
+use super::source::KernelSource;
 use crate::rope::{check_no_overlap, TensorStrides};
 use crate::{KernelError, QkvFormat, RopeArgs, RopeConvention, RopeTable};
+
+/// `kernels/rope.cu`.
+pub const ROPE_CU: KernelSource = KernelSource {
+    name: "rope.cu",
+    text: include_str!("../../../../kernels/rope.cu"),
+};
+
+/// Threads per block of `rope_fwd_*`.
+pub const ROPE_THREADS: u32 = 128;
 
 /// A [`RopeTable`] uploaded to one device: `cos`, `sin` `[max_positions, d2/2]` f32.
 pub struct CudaRopeTable {

@@ -5,7 +5,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{k4_scale_min, GgmlType};
+use super::format::{k4_scale_min, GgmlType};
 
 /// Whether `ty` has a decoder here and the CPU can run it.
 pub(crate) fn available(ty: GgmlType) -> bool {

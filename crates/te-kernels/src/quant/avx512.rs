@@ -7,7 +7,7 @@
 
 use std::arch::x86_64::*;
 
-use super::GgmlType;
+use super::format::GgmlType;
 
 /// Whether `ty` has a decoder here and the CPU can run it.
 pub(crate) fn available(ty: GgmlType) -> bool {

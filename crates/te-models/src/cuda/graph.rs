@@ -19,9 +19,11 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaGraph;
 use te_cache::{InferenceParams, StepPlan};
 
-use super::ops::cuda_err;
+use super::libs::cuda_err;
+use super::model::{CudaModel, StepBufs};
+use super::ops::Cuda;
 use super::plan::PlanShape;
-use super::{Cuda, CudaModel, KvStore, StepBufs};
+use super::storage::KvStore;
 use crate::model::Model;
 use crate::Result;
 
@@ -102,7 +104,7 @@ pub(crate) fn step<'g>(
         return Ok(&mut g.bufs);
     }
     // The step itself, launch by launch; it also sizes every buffer.
-    model.launch_step(cm, cuda, &mut g.bufs, cache, greedy)?;
+    cm.launch_step(model, cuda, &mut g.bufs, cache, greedy)?;
     if !g.failed {
         match capture(model, cm, cuda, &mut g.bufs, cache, greedy) {
             Ok(graph) => {
@@ -136,7 +138,7 @@ fn capture(
     stream
         .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .map_err(|e| cuda_err("begin capture", e))?;
-    let launched = model.launch_step(cm, cuda, bufs, cache, greedy);
+    let launched = cm.launch_step(model, cuda, bufs, cache, greedy);
     let graph = stream.end_capture(CUgraphInstantiate_flags(0));
     launched?;
     let graph = graph.map_err(|e| cuda_err("end capture", e))?;

@@ -20,6 +20,7 @@ use te_kernels::cuda::{
 };
 use te_kernels::rope::RopeArgs;
 
+use super::libs::{check_libraries, cuda_err, load_cublas};
 use super::plan::DevicePlan;
 use crate::config::Activation;
 use crate::device::DeviceOps;
@@ -73,11 +74,6 @@ pub const LAUNCHES: &[LaunchShape] = &[
         max_dynamic_shared_bytes: 0,
     },
 ];
-
-/// A CUDA error (driver, cuBLAS, launch) as a model error.
-pub(crate) fn cuda_err(what: &str, e: impl std::fmt::Debug) -> ModelError {
-    ModelError::Cuda(format!("{what}: {e:?}"))
-}
 
 /// A linear layer on the device: `weight: [out_features, in_features]`
 /// bf16 row-major, `bias: [out_features]` f32.
@@ -178,7 +174,7 @@ impl Cuda {
     /// which). Errors name the missing library (driver, NVRTC) or the
     /// failing call; never panics.
     pub fn new(ordinal: usize, use_cublas: bool) -> Result<Self> {
-        super::check_libraries()?;
+        check_libraries()?;
         let dev = CudaDevice::new_capturable(ordinal).map_err(|e| {
             let count = cudarc::driver::CudaContext::device_count()
                 .map_or_else(|_| "?".to_string(), |n| n.to_string());
@@ -187,7 +183,7 @@ impl Cuda {
             ))
         })?;
         let blas = if use_cublas {
-            super::load_cublas(dev.stream())
+            load_cublas(dev.stream())
         } else {
             None
         };

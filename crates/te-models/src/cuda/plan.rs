@@ -28,8 +28,8 @@ use te_cache::{InferenceParams, StepPlan};
 use te_kernels::cuda::{CudaDevice, KvSavePlan};
 use te_kernels::{KvCacheLayout, KvStep, QkvFormat};
 
-use super::ops::cuda_err;
-use super::KvStore;
+use super::libs::cuda_err;
+use super::storage::KvStore;
 use crate::model::Model;
 use crate::{ModelError, Result};
 
@@ -71,7 +71,7 @@ pub(crate) struct DevicePlan {
     d_i64: Option<CudaSlice<i64>>,
     /// Attention's split partials, reused by every layer.
     pub(crate) attn_scratch: CudaAttnScratch,
-    /// The GEMMs' bf16 activations (swapped into [`super::Cuda`] for the
+    /// The GEMMs' bf16 activations (swapped into [`super::ops::Cuda`] for the
     /// step, so a captured graph keeps the buffer it was captured with).
     pub(crate) x_bf16: Option<CudaSlice<bf16>>,
 }
@@ -196,8 +196,7 @@ impl DevicePlan {
             let (lay, storage) = cache.step_storage(layer.index)?;
             let KvStore::Cuda(storage) = storage else {
                 return Err(ModelError::Cuda(
-                    "the KV cache is in host memory; a CUDA model needs Model::new_step_cache"
-                        .into(),
+                    "the KV cache is in host memory; a CUDA model needs Runner::new_cache".into(),
                 ));
             };
             storage.take_error()?;

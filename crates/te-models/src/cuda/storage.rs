@@ -131,7 +131,7 @@ impl KvStorage for CudaKvStorage {
 }
 
 /// The engine's KV storage: host memory for a CPU model, device memory for
-/// a CUDA one ([`crate::model::Model::new_step_cache`] picks).
+/// a CUDA one (`crate::runner::Runner::new_cache` picks).
 #[derive(Debug)]
 pub enum KvStore {
     /// Host memory, what the CPU forward reads and writes.
