@@ -6,7 +6,7 @@
 // becomes (a cos θ - c sin θ, c cos θ + a sin θ); half-split pairs x[j] with
 // x[j + d2/2], interleaved x[2j] with x[2j+1]; d2..d passes through.
 // Position of token i of sequence b: start_positions[b] + i, or the zigzag
-// context-parallel position (DESIGN.md §6). The host validated every
+// context-parallel position (docs/ARCHITECTURE.md, "Context parallelism"). The host validated every
 // argument (positions < max_positions included) before the launch.
 //
 // Grid: one block per token row, threads over (head, pair); 64-bit offsets.

@@ -78,7 +78,7 @@ impl AttnMaskType {
     /// Whether the diagonal is top-left aligned (query `i` with key `i`);
     /// otherwise it is bottom-right aligned (query `i` with key
     /// `i + skv - sq`). Only `Causal` and `PaddingCausal` are top-left; the
-    /// window of a non-causal type is bottom-right aligned (DESIGN.md §3).
+    /// window of a non-causal type is bottom-right aligned (docs/ARCHITECTURE.md, "Formats and masks").
     pub fn is_top_left(self) -> bool {
         matches!(self, AttnMaskType::Causal | AttnMaskType::PaddingCausal)
     }

@@ -1,5 +1,5 @@
 //! Merging partial attention results by log-sum-exp (split-KV decode, ring
-//! attention; DESIGN.md §6).
+//! attention; docs/ARCHITECTURE.md, "Context parallelism").
 //!
 //! Two partial results over disjoint key sets, each normalized over its own
 //! keys, `(out_a, lse_a)` and `(out_b, lse_b)`, combine into the result over

@@ -1,7 +1,7 @@
 //! Rotary position embedding (RoPE, Su et al. 2021, "RoFormer"), applied to
 //! a Q or K tensor in bshd, sbhd or thd format on the CPU.
 //!
-//! Math (DESIGN.md §3): `inv_freq[i] = base^(-2i/d2)` for `i < d2/2`
+//! Math (docs/ARCHITECTURE.md, "RoPE"): `inv_freq[i] = base^(-2i/d2)` for `i < d2/2`
 //! (optionally rescaled, see [`RopeScaling`]), angle `θ = pos * inv_freq[i]`,
 //! and each pair `(a, b)` becomes `(a cos θ - b sin θ, b cos θ + a sin θ)`.
 //! Half-split pairs `x[i]` with `x[i + d2/2]`; interleaved pairs `x[2i]` with
@@ -262,7 +262,7 @@ impl TensorStrides {
 /// (sbhd) or `[t, h, d]` (thd, `t >= cu_seqlens[b]`; rows past
 /// `cu_seqlens[b]` are left alone).
 ///
-/// Position of token `i` of sequence `b` (DESIGN.md §3, §6): with
+/// Position of token `i` of sequence `b` (docs/ARCHITECTURE.md, "RoPE" and "Context parallelism"): with
 /// `cp_size == 1`, `start_positions[b] + i`. With context parallelism the
 /// local length `L` of each sequence (thd: its `cu_seqlens` length; bshd/sbhd:
 /// `max_seqlen`) must be even; the rank holds zigzag chunks `cp_rank` and

@@ -63,7 +63,7 @@ impl Case {
             _ => self.batch() * self.max_seqlen,
         }
     }
-    /// Position of token i of sequence b, written from DESIGN.md §6 directly:
+    /// Position of token i of sequence b, written from docs/ARCHITECTURE.md, "Context parallelism" directly:
     /// the full sequence is 2 * cp_size chunks, this rank holds chunks
     /// cp_rank and 2 * cp_size - 1 - cp_rank.
     fn position(&self, b: usize, i: usize) -> usize {

@@ -1,5 +1,5 @@
 //! Context-parallel generation: each sequence's tokens and KV cache split
-//! over `cp_size` ranks (DESIGN.md §6), one [`ContextParallel`] per rank.
+//! over `cp_size` ranks (docs/ARCHITECTURE.md, "Context parallelism"), one [`ContextParallel`] per rank.
 //!
 //! Every rank runs the same engine on the same requests, so every rank
 //! plans the same steps; this module decides where each new token lives

@@ -7,7 +7,7 @@
 //! when every held key precedes the queries; a bottom-right causal mask
 //! only on the rank holding the newest keys, since it aligns the last
 //! query with that rank's last key), then `all_merge` gathers the partials
-//! round the ring and merges them by log-sum-exp (DESIGN.md §6). Every rank merges
+//! round the ring and merges them by log-sum-exp (docs/ARCHITECTURE.md, "Context parallelism"). Every rank merges
 //! in rank order 0, 1, .., so all ranks get bit-identical results (their
 //! samplers stay in step).
 

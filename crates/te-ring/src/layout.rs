@@ -1,4 +1,4 @@
-//! The load-balanced zigzag layout of context parallelism (DESIGN.md §6).
+//! The load-balanced zigzag layout of context parallelism (docs/ARCHITECTURE.md, "Context parallelism").
 //!
 //! With `cp_size` ranks, a sequence of `n` tokens is cut into `2 * cp_size`
 //! chunks of `c = ceil(n / (2 * cp_size))` positions (the last ones shorter

@@ -1,7 +1,7 @@
 //! te-ring: ring attention (context parallelism) for te-rs.
 //!
 //! Each of `cp_size` ranks holds a shard of every sequence's tokens in the
-//! load-balanced zigzag layout ([`Zigzag`], DESIGN.md §6); each step a rank
+//! load-balanced zigzag layout ([`Zigzag`], docs/ARCHITECTURE.md, "Context parallelism"); each step a rank
 //! attends its queries to the KV block it holds, passes the block on to the
 //! next rank, and merges partial outputs in f32 by log-sum-exp
 //! ([`RingAttention`]: causal or not, sliding windows, GQA, softcap).

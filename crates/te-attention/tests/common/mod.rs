@@ -1,5 +1,5 @@
 //! Shared test harness: a naive float64 reference written straight from
-//! DESIGN.md §3 (not from the crate's `KeyRange`), random cases, packing of
+//! docs/ARCHITECTURE.md, "Formats and masks" (not from the crate's `KeyRange`), random cases, packing of
 //! per-sequence tensors into bshd/sbhd/thd and contiguous/paged caches, and
 //! the comparison with poisoned outputs.
 #![allow(dead_code)]
@@ -97,7 +97,7 @@ impl Case {
         }
     }
 
-    /// Whether key `j` is visible to query `i` of sequence `b` (DESIGN.md §3).
+    /// Whether key `j` is visible to query `i` of sequence `b` (docs/ARCHITECTURE.md, "Formats and masks").
     pub fn visible(&self, b: usize, i: usize, j: usize) -> bool {
         let (i, j) = (i as i64, j as i64);
         let (sq, skv) = (self.sq[b] as i64, self.skv[b] as i64);
