@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use te_cache::CacheLayout;
-use te_engine::engine::{Engine, EngineConfig, Request};
+use te_engine::{Engine, EngineConfig, Request};
 use te_models::context_parallel::ContextParallel;
 use te_models::layer::Workspace;
 use te_models::loader::LoadedModel;

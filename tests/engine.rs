@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use te_engine::engine::{Engine, EngineConfig, Event, FinishReason, Request};
+use te_engine::{Engine, EngineConfig, Event, FinishReason, Request};
 use te_models::loader::LoadedModel;
 
 /// English sentences; prompts are cut from a text made of them.

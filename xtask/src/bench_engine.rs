@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use anyhow::Context;
-use te_engine::engine::{Engine, EngineConfig, Request};
+use te_engine::{Engine, EngineConfig, Request};
 
 /// Markdown rows: `| case | prefix caching | prefill s | tokens computed | prefix hits | wall s |`.
 pub fn run(model_name: &str) -> anyhow::Result<Vec<String>> {

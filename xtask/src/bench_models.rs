@@ -7,8 +7,8 @@
 use std::time::Instant;
 
 use anyhow::Context;
-use te_engine::engine::{EngineConfig, Request};
 use te_engine::generate::{generate, Control};
+use te_engine::{EngineConfig, Request};
 use te_models::model::Logits;
 
 /// Markdown rows: `| model | test | te-rs tok/s |`.

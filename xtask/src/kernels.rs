@@ -1,5 +1,6 @@
-//! `cargo xtask kernels`: compiles every `kernels/*.cu` with NVRTC for sm_80
-//! and sm_90 (PTX for `compute_80`, `compute_90`) on a machine without a GPU,
+//! `cargo xtask kernels`: compiles every `crates/*/kernels/*.cu` (each crate
+//! owns the sources it launches; te-kernels' `kernels/common.cuh`, included
+//! by all of them, is on the include path) with NVRTC for sm_80 and sm_90 (PTX for `compute_80`, `compute_90`) on a machine without a GPU,
 //! assembles each PTX with `ptxas -v` for `sm_80` and `sm_90`, prints every
 //! kernel's registers, spills and shared memory, and fails on any NVRTC or
 //! ptxas error, on any spill, and on a launch shape the architecture cannot
@@ -268,23 +269,57 @@ fn problems(k: &KernelReport, arch: &Arch) -> Vec<String> {
     p
 }
 
-/// Child step: compiles every `kernels/*.cu` for every arch, assembles
-/// each PTX with `ptxas`, prints the per-kernel report and checks it.
-fn compile_all(include_dir: &Path, ptxas: &Path) -> anyhow::Result<()> {
-    let root = crate::workspace_root();
-    let kernels = root.join("kernels");
-    let out_dir = root.join("target").join("kernels");
-    std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&kernels)?
-        .map(|e| e.map(|e| e.path()))
-        .collect::<Result<_, _>>()?;
-    files.retain(|p| p.extension().is_some_and(|e| e == "cu"));
+/// The folder of te-kernels' CUDA sources, which holds `common.cuh`.
+const COMMON_DIR: &str = "crates/te-kernels/kernels";
+
+/// Every `crates/*/kernels/*.cu` under `root`, sorted by path. Errors: none
+/// found, or two files of one name (the NVRTC program name and the name of
+/// the PTX and cubin written for it).
+fn kernel_files(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let crates = root.join("crates");
+    let mut files = Vec::new();
+    for krate in
+        std::fs::read_dir(&crates).with_context(|| format!("reading {}", crates.display()))?
+    {
+        let dir = krate?.path().join("kernels");
+        if !dir.is_dir() {
+            continue;
+        }
+        for entry in
+            std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))?
+        {
+            let path = entry?.path();
+            if path.extension().is_some_and(|e| e == "cu") {
+                files.push(path);
+            }
+        }
+    }
     files.sort();
     if files.is_empty() {
-        bail!("no .cu files in {}", kernels.display());
+        bail!("no .cu files in {}/*/kernels", crates.display());
     }
+    let mut names: Vec<_> = files.iter().map(|f| f.file_name()).collect();
+    names.sort();
+    if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+        bail!(
+            "two kernel sources named {:?} under {}/*/kernels",
+            w[0],
+            crates.display()
+        );
+    }
+    Ok(files)
+}
+
+/// Child step: compiles every `crates/*/kernels/*.cu` for every arch,
+/// assembles each PTX with `ptxas`, prints the per-kernel report and checks
+/// it.
+fn compile_all(include_dir: &Path, ptxas: &Path) -> anyhow::Result<()> {
+    let root = crate::workspace_root();
+    let out_dir = root.join("target").join("kernels");
+    std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+    let files = kernel_files(&root)?;
     let includes = [
-        kernels.display().to_string(),
+        root.join(COMMON_DIR).display().to_string(),
         include_dir.display().to_string(),
     ];
     let mut failed = 0;
@@ -298,6 +333,8 @@ fn compile_all(include_dir: &Path, ptxas: &Path) -> anyhow::Result<()> {
             .unwrap_or_default()
             .to_string_lossy()
             .into_owned();
+        // The file as the report names it: crates/<crate>/kernels/<name>.
+        let shown = file.strip_prefix(&root).unwrap_or(file).display();
         let src =
             std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
         for arch in &ARCHS {
@@ -305,7 +342,7 @@ fn compile_all(include_dir: &Path, ptxas: &Path) -> anyhow::Result<()> {
                 Ok(ptx) => ptx.to_src(),
                 Err(e) => {
                     failed += 1;
-                    println!("FAIL  kernels/{name} {} (NVRTC)\n{e}", arch.compute);
+                    println!("FAIL  {shown} {} (NVRTC)\n{e}", arch.compute);
                     continue;
                 }
             };
@@ -323,16 +360,13 @@ fn compile_all(include_dir: &Path, ptxas: &Path) -> anyhow::Result<()> {
             let log = String::from_utf8_lossy(&out.stderr);
             if !out.status.success() {
                 failed += 1;
-                println!("FAIL  kernels/{name} {} (ptxas)\n{log}", arch.sm);
+                println!("FAIL  {shown} {} (ptxas)\n{log}", arch.sm);
                 continue;
             }
             let reports = parse_ptxas(&log);
             if reports.is_empty() {
                 failed += 1;
-                println!(
-                    "FAIL  kernels/{name} {}: ptxas reported no kernel\n{log}",
-                    arch.sm
-                );
+                println!("FAIL  {shown} {}: ptxas reported no kernel\n{log}", arch.sm);
             }
             for k in &reports {
                 let shape = launch_shape(&k.name);
@@ -433,6 +467,29 @@ ptxas info    : Used 30 registers, 392 bytes cmem[0]
             ..KernelReport::default()
         };
         assert!(problems(&unknown, sm90)[0].contains("no launch shape for `mystery_f32`"));
+    }
+
+    /// The check finds every crate's sources, and they are the ones the
+    /// crates embed and launch.
+    #[test]
+    fn finds_the_sources_the_crates_launch() {
+        let root = crate::workspace_root();
+        let embedded = [
+            te_attention::cuda::ATTENTION_CU,
+            te_kernels::cuda::KV_CACHE_CU,
+            te_kernels::cuda::ROPE_CU,
+            te_models::cuda::ops::GEMM_CU,
+            te_models::cuda::ops::MODEL_OPS_CU,
+        ];
+        let files = kernel_files(&root).unwrap();
+        assert_eq!(files.len(), embedded.len(), "{files:?}");
+        for (file, source) in files.iter().zip(embedded) {
+            assert_eq!(file.file_name().unwrap().to_str(), Some(source.name));
+            let text = std::fs::read_to_string(file).unwrap();
+            assert_eq!(text, source.text, "{}", file.display());
+        }
+        let common = std::fs::read_to_string(root.join(COMMON_DIR).join("common.cuh")).unwrap();
+        assert_eq!(common, te_kernels::cuda::COMMON_CUH);
     }
 
     #[test]

@@ -214,6 +214,21 @@ pub enum KvInput<'a, T> {
     Cache(KvCacheView<'a, T>),
 }
 
+/// Where a CPU forward writes
+/// ([`DotProductAttention::forward_cpu_at_positions`]).
+#[derive(Debug)]
+pub struct AttnOutput<'a, O> {
+    /// `[.., h_q, d_v]` in the `qkv_format` of the [`DotProductAttention`]
+    /// (bshd `[b, max_seqlen_q, ..]`, sbhd `[max_seqlen_q, b, ..]`, thd
+    /// `[t_q, ..]`); fully written (rows of padded or fully masked queries
+    /// get 0). `O` may differ from the input dtype (e.g. f32 partial outputs
+    /// for an LSE merge).
+    pub out: &'a mut [O],
+    /// Optional f32 natural-log LSE, `[b, h_q, max_seqlen_q]` (bshd/sbhd) or
+    /// `[h_q, t_q]` (thd); -inf for queries that see no key.
+    pub lse: Option<&'a mut [f32]>,
+}
+
 /// The K/V lengths (elements) and cache layout a forward validates, for any
 /// device's buffers.
 #[derive(Clone, Copy, Debug)]

@@ -30,13 +30,13 @@
 use rayon::prelude::*;
 use te_kernels::{Element, QkvFormat};
 
-use crate::attention::{AttnMetadata, DotProductAttention, KvInput, Plan, Positions};
+use crate::attention::{AttnMetadata, AttnOutput, DotProductAttention, KvInput, Plan, Positions};
 use crate::error::AttentionError;
 use crate::merge::merge_row;
 use crate::simd::{prefetch, Portable, Simd};
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{Avx2, Avx512};
-use crate::tile_math::{exp, gemm};
+use crate::tile_math::{exp, gemm, GemmOut};
 
 /// Target rows (query x head) per work unit.
 const TARGET_ROWS: usize = 64;
@@ -346,9 +346,11 @@ impl<T: Element> Ctx<'_, T> {
                     |jj| &k_all[k_off[jj] + u.g0 * dqk..][..dqk],
                     1,
                     |p| &q[p * mp..][..mp],
-                    &mut s.s,
-                    mp,
-                    false,
+                    GemmOut {
+                        c: &mut s.s,
+                        ldc: mp,
+                        accumulate: false,
+                    },
                 );
             }
 
@@ -457,9 +459,11 @@ impl<T: Element> Ctx<'_, T> {
                     |r| &p[r..],
                     mp,
                     |jj| &v_all[v_off[jj] + u.g0 * dv..][..dv],
-                    o,
-                    dv,
-                    true,
+                    GemmOut {
+                        c: o,
+                        ldc: dv,
+                        accumulate: true,
+                    },
                 );
             }
             j0 += bc as i64;
@@ -603,7 +607,7 @@ impl DotProductAttention {
         lse: Option<&mut [f32]>,
         ws: &mut AttentionWorkspace,
     ) -> Result<(), AttentionError> {
-        self.forward_cpu_planned(q, kv, meta, None, out, lse, ws)
+        self.forward_cpu_planned(q, kv, meta, None, AttnOutput { out, lse }, ws)
     }
 
     /// [`forward_cpu_with`](Self::forward_cpu_with) where queries and keys
@@ -612,7 +616,8 @@ impl DotProductAttention {
     /// be any increasing subset of a sequence's positions (a
     /// context-parallel rank's shard of its KV cache). Top-left and
     /// bottom-right masks coincide here (positions are absolute). Same
-    /// arguments, outputs and errors otherwise, plus
+    /// arguments, outputs and errors otherwise (`out` and `lse` in
+    /// `output`), plus
     /// [`AttentionError::ShapeMismatch`] / [`AttentionError::InvalidSeqlens`]
     /// for `positions` that disagree with the sequences or do not
     /// increase.
@@ -622,11 +627,10 @@ impl DotProductAttention {
         kv: KvInput<'_, T>,
         meta: &AttnMetadata<'_>,
         positions: &Positions<'_>,
-        out: &mut [O],
-        lse: Option<&mut [f32]>,
+        output: AttnOutput<'_, O>,
         ws: &mut AttentionWorkspace,
     ) -> Result<(), AttentionError> {
-        self.forward_cpu_planned(q, kv, meta, Some(positions), out, lse, ws)
+        self.forward_cpu_planned(q, kv, meta, Some(positions), output, ws)
     }
 
     /// Validates, plans (key bounds from `positions` when given) and runs
@@ -637,22 +641,21 @@ impl DotProductAttention {
         kv: KvInput<'_, T>,
         meta: &AttnMetadata<'_>,
         positions: Option<&Positions<'_>>,
-        out: &mut [O],
-        lse: Option<&mut [f32]>,
+        output: AttnOutput<'_, O>,
         ws: &mut AttentionWorkspace,
     ) -> Result<(), AttentionError> {
         self.plan_into(
             q.len(),
             &kv.lens(),
             meta,
-            out.len(),
-            lse.as_ref().map(|l| l.len()),
+            output.out.len(),
+            output.lse.as_ref().map(|l| l.len()),
             &mut ws.plan,
         )?;
         if let Some(p) = positions {
             p.apply(self, &mut ws.plan)?;
         }
-        forward(self, &ws.plan, q, kv, meta, out, lse, &mut ws.cpu);
+        forward(self, &ws.plan, q, kv, meta, output, &mut ws.cpu);
         Ok(())
     }
 }
@@ -691,8 +694,7 @@ pub(crate) fn forward<T: Element, O: Element>(
     q: &[T],
     kv: KvInput<'_, T>,
     meta: &AttnMetadata<'_>,
-    out: &mut [O],
-    lse: Option<&mut [f32]>,
+    AttnOutput { out, mut lse }: AttnOutput<'_, O>,
     bufs: &mut CpuBuffers,
 ) {
     let group = attn.kv_group();
@@ -764,7 +766,6 @@ pub(crate) fn forward<T: Element, O: Element>(
     // Scatter; rows no unit covers (bshd/sbhd padding) stay 0 / -inf.
     let (hq, dv) = (attn.num_attention_heads, attn.head_dim_v);
     out.fill(O::from_f32(0.0));
-    let mut lse = lse;
     if let Some(l) = lse.as_deref_mut() {
         l.fill(f32::NEG_INFINITY);
     }

@@ -29,7 +29,7 @@ use crate::error::AttentionError;
 /// `kernels/attention.cu` (program name `attention.cu`).
 pub const ATTENTION_CU: KernelSource = KernelSource {
     name: "attention.cu",
-    text: include_str!("../../../kernels/attention.cu"),
+    text: include_str!("../kernels/attention.cu"),
 };
 
 /// Rows (query, head) per block, keys per tile, threads per block, and the
@@ -105,6 +105,51 @@ impl<T> CudaKvInput<'_, T> {
             },
         }
     }
+}
+
+/// Where a CUDA forward writes
+/// ([`DotProductAttention::forward_cuda_with_splits`]), on the device.
+#[derive(Debug)]
+pub struct CudaAttnOutput<'a, T> {
+    /// `[.., h_q, d_v]` in the attention's `qkv_format`, dtype `T`, fully
+    /// written (padded and fully masked rows 0).
+    pub out: CudaViewMut<'a, T>,
+    /// Optional f32 natural-log LSE, `[b, h_q, max_seqlen_q]` (bshd/sbhd) or
+    /// `[h_q, t_q]` (thd), -inf for rows that see no key.
+    pub lse: Option<CudaViewMut<'a, f32>>,
+}
+
+/// The element counts (not bytes) of the buffers a launch will get, which
+/// [`DotProductAttention::prepare_cuda`] validates before the buffers exist.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CudaAttnLens {
+    /// Elements of `q`: `[.., h_q, d_qk]` in the `qkv_format`.
+    pub q: usize,
+    /// Elements of `out`: `[.., h_q, d_v]` in the `qkv_format`.
+    pub out: usize,
+    /// Elements of the f32 `lse` (`[b, h_q, max_seqlen_q]` or `[h_q, t_q]`);
+    /// `None`: the launch writes no LSE.
+    pub lse: Option<usize>,
+}
+
+/// The device buffers of one launch ([`DotProductAttention::launch_cuda`]),
+/// each exactly as long as [`DotProductAttention::prepare_cuda`] was told
+/// (elements; `T` the input and output dtype).
+#[derive(Debug)]
+pub struct CudaAttnBuffers<'a, T> {
+    /// `[meta().len()]` i64: [`CudaAttnLaunch::meta`] uploaded.
+    pub meta: CudaView<'a, i64>,
+    /// Queries `[.., h_q, d_qk]` in the `qkv_format`.
+    pub q: CudaView<'a, T>,
+    /// Keys `[.., h_kv, d_qk]`: the `k` or `k_cache` of the prepared
+    /// [`CudaKvInput`].
+    pub k: CudaView<'a, T>,
+    /// Values `[.., h_kv, d_v]`: its `v` or `v_cache`.
+    pub v: CudaView<'a, T>,
+    /// Output `[.., h_q, d_v]` in the `qkv_format`, fully written.
+    pub out: CudaViewMut<'a, T>,
+    /// f32 LSE, given exactly when `prepare_cuda` was given its length.
+    pub lse: Option<CudaViewMut<'a, f32>>,
 }
 
 /// Mirror of `AttnParams` in `kernels/attention.cu`.
@@ -193,7 +238,11 @@ impl DotProductAttention {
         out: &mut CudaViewMut<'_, T>,
         lse: Option<&mut CudaViewMut<'_, f32>>,
     ) -> Result<(), AttentionError> {
-        self.forward_cuda_with_splits(dev, q, kv, meta, out, lse, None)
+        let output = CudaAttnOutput {
+            out: out.slice_mut(..),
+            lse: lse.map(|l| l.slice_mut(..)),
+        };
+        self.forward_cuda_with_splits(dev, q, kv, meta, output, None)
     }
 
     /// [`DotProductAttention::forward_cuda`] with the number of KV splits
@@ -206,20 +255,15 @@ impl DotProductAttention {
         q: &CudaView<'_, T>,
         kv: &CudaKvInput<'_, T>,
         meta: &AttnMetadata<'_>,
-        out: &mut CudaViewMut<'_, T>,
-        lse: Option<&mut CudaViewMut<'_, f32>>,
+        output: CudaAttnOutput<'_, T>,
         num_kv_splits: Option<usize>,
     ) -> Result<(), AttentionError> {
-        let Some(launch) = self.prepare_cuda(
-            dev,
-            q.len(),
-            kv,
-            meta,
-            out.len(),
-            lse.as_ref().map(|l| l.len()),
-            num_kv_splits,
-        )?
-        else {
+        let lens = CudaAttnLens {
+            q: q.len(),
+            out: output.out.len(),
+            lse: output.lse.as_ref().map(|l| l.len()),
+        };
+        let Some(launch) = self.prepare_cuda(dev, lens, kv, meta, num_kv_splits)? else {
             return Ok(());
         };
         let meta_dev = dev.stream().clone_htod(&launch.meta).map_err(cuda_err)?;
@@ -230,22 +274,20 @@ impl DotProductAttention {
                 k_cache, v_cache, ..
             } => (k_cache, v_cache),
         };
-        run(
-            self,
-            dev,
-            &launch,
-            &meta_dev.slice(..),
-            q,
-            [k, v],
-            out,
-            lse,
-            &mut scratch,
-        )
+        let bufs = CudaAttnBuffers {
+            meta: meta_dev.slice(..),
+            q: q.slice(..),
+            k: k.slice(..),
+            v: v.slice(..),
+            out: output.out,
+            lse: output.lse,
+        };
+        run(self, dev, &launch, bufs, &mut scratch)
     }
 
     /// The host half of [`forward_cuda_with_splits`](Self::forward_cuda_with_splits):
-    /// validates the arguments (the same checks and errors; `q_len`,
-    /// `out_len`, `lse_len` are the element counts of `q`, `out`, `lse`),
+    /// validates the arguments (the same checks and errors; `lens` are the
+    /// element counts of `q`, `out` and `lse`),
     /// chooses the grid and KV splits and builds the per-sequence metadata
     /// ([`CudaAttnLaunch::meta`]) for the caller to upload, so a step's
     /// layers can share one upload and a captured CUDA graph can be
@@ -253,18 +295,15 @@ impl DotProductAttention {
     /// launch (no rows).
     ///
     /// Errors: those of `forward_cuda_with_splits` before its launch.
-    #[allow(clippy::too_many_arguments)]
     pub fn prepare_cuda<T>(
         &self,
         dev: &CudaDevice,
-        q_len: usize,
+        lens: CudaAttnLens,
         kv: &CudaKvInput<'_, T>,
         meta: &AttnMetadata<'_>,
-        out_len: usize,
-        lse_len: Option<usize>,
         num_kv_splits: Option<usize>,
     ) -> Result<Option<CudaAttnLaunch>, AttentionError> {
-        let plan = self.plan(q_len, &kv.lens(), meta, out_len, lse_len)?;
+        let plan = self.plan(lens.q, &kv.lens(), meta, lens.out, lens.lse)?;
         if self.head_dim_v > MAX_HEAD_DIM_V {
             return Err(AttentionError::InvalidArgument {
                 op: OP,
@@ -285,46 +324,32 @@ impl DotProductAttention {
         if meta.batch == 0 || plan.q_rows == 0 {
             return Ok(None);
         }
-        prepare(
-            self,
-            dev,
-            &plan,
-            kv,
-            meta,
-            [q_len, out_len],
-            lse_len.is_some(),
-            num_kv_splits,
-        )
+        prepare(self, dev, &plan, kv, meta, lens, num_kv_splits)
     }
 
     /// The device half: launches `launch` (from [`prepare_cuda`](Self::prepare_cuda)
-    /// on the same shapes; `[k, v]` the tensors or caches of its
-    /// [`CudaKvInput`]) with `meta_dev` holding [`CudaAttnLaunch::meta`]
-    /// on the device (`[meta().len()]` i64), the split partials in
+    /// on the same shapes) on `bufs` (`bufs.k`, `bufs.v` the tensors or
+    /// caches of its [`CudaKvInput`], `bufs.meta` holding
+    /// [`CudaAttnLaunch::meta`] on the device), the split partials in
     /// `scratch` (grown here when too small, so a first run sizes it and
     /// later runs of the same shape allocate nothing). Asynchronous on
     /// `dev.stream()`; no host synchronization.
     ///
     /// Errors: a buffer whose length differs from the prepared one
     /// ([`AttentionError::ShapeMismatch`]); driver or launch failures.
-    #[allow(clippy::too_many_arguments)]
     pub fn launch_cuda<T: CudaElement>(
         &self,
         dev: &CudaDevice,
         launch: &CudaAttnLaunch,
-        meta_dev: &CudaView<'_, i64>,
-        q: &CudaView<'_, T>,
-        [k, v]: [&CudaView<'_, T>; 2],
-        out: &mut CudaViewMut<'_, T>,
-        lse: Option<&mut CudaViewMut<'_, f32>>,
+        bufs: CudaAttnBuffers<'_, T>,
         scratch: &mut CudaAttnScratch,
     ) -> Result<(), AttentionError> {
         let lens = [
-            ("q", q.len(), launch.lens[0]),
-            ("k", k.len(), launch.lens[1]),
-            ("v", v.len(), launch.lens[2]),
-            ("out", out.len(), launch.lens[3]),
-            ("meta", meta_dev.len(), launch.meta.len()),
+            ("q", bufs.q.len(), launch.lens[0]),
+            ("k", bufs.k.len(), launch.lens[1]),
+            ("v", bufs.v.len(), launch.lens[2]),
+            ("out", bufs.out.len(), launch.lens[3]),
+            ("meta", bufs.meta.len(), launch.meta.len()),
         ];
         for (arg, got, expected) in lens {
             if got != expected {
@@ -336,14 +361,14 @@ impl DotProductAttention {
                 });
             }
         }
-        if lse.is_some() != (launch.params.has_lse != 0) {
+        if bufs.lse.is_some() != (launch.params.has_lse != 0) {
             return Err(AttentionError::InvalidArgument {
                 op: OP,
                 arg: "lse",
                 reason: "given to launch_cuda but not to prepare_cuda, or the reverse".into(),
             });
         }
-        run(self, dev, launch, meta_dev, q, [k, v], out, lse, scratch)
+        run(self, dev, launch, bufs, scratch)
     }
 
     /// The KV splits [`forward_cuda`](Self::forward_cuda) would choose for
@@ -516,8 +541,7 @@ fn prepare<T>(
     plan: &Plan,
     kv: &CudaKvInput<'_, T>,
     meta: &AttnMetadata<'_>,
-    [q_len, out_len]: [usize; 2],
-    has_lse: bool,
+    lens: CudaAttnLens,
     num_kv_splits: Option<usize>,
 ) -> Result<Option<CudaAttnLaunch>, AttentionError> {
     let (b, hq, hkv) = (meta.batch, attn.num_attention_heads, attn.num_gqa_groups);
@@ -601,7 +625,7 @@ fn prepare<T>(
         page_size: to_i32("kv_cache.page_size", page_size)?,
         max_pages_per_seq: to_i32("kv_cache.max_pages_per_seq", max_pages)?,
         num_splits: splits as i32,
-        has_lse: has_lse as i32,
+        has_lse: lens.lse.is_some() as i32,
         scale: attn.effective_softmax_scale(),
         softcap: attn.softcap.unwrap_or(0.0),
     };
@@ -613,25 +637,28 @@ fn prepare<T>(
         max_q,
         splits,
         smem,
-        lens: [q_len, k_len, v_len, out_len],
+        lens: [lens.q, k_len, v_len, lens.out],
         meta: seq_fields(attn, plan, kv, meta),
     }))
 }
 
 /// The device side: one `attn_fwd` launch and, when split, one
-/// `attn_combine`, reading `meta_dev` and the partials in `scratch`.
-#[allow(clippy::too_many_arguments)]
+/// `attn_combine`, reading `bufs.meta` and the partials in `scratch`.
 fn run<T: CudaElement>(
     attn: &DotProductAttention,
     dev: &CudaDevice,
     launch: &CudaAttnLaunch,
-    meta_dev: &CudaView<'_, i64>,
-    q: &CudaView<'_, T>,
-    [k, v]: [&CudaView<'_, T>; 2],
-    out: &mut CudaViewMut<'_, T>,
-    lse: Option<&mut CudaViewMut<'_, f32>>,
+    bufs: CudaAttnBuffers<'_, T>,
     scratch: &mut CudaAttnScratch,
 ) -> Result<(), AttentionError> {
+    let CudaAttnBuffers {
+        meta: meta_dev,
+        q,
+        k,
+        v,
+        mut out,
+        lse,
+    } = bufs;
     let (params, splits, smem) = (&launch.params, launch.splits, launch.smem);
     let (hq, hkv, dv) = (
         attn.num_attention_heads,
@@ -655,7 +682,7 @@ fn run<T: CudaElement>(
     let lse_part = grow(dev, lse_part, (splits * part_rows).max(1))?;
     let dummy = grow(dev, dummy, 1)?;
     let mut lse_view = match lse {
-        Some(l) => l.slice_mut(..),
+        Some(l) => l,
         None => dummy.slice_mut(..),
     };
     let fwd = dev
@@ -679,11 +706,11 @@ fn run<T: CudaElement>(
     };
     let mut builder = stream.launch_builder(&fwd);
     builder
-        .arg(q)
-        .arg(k)
-        .arg(v)
-        .arg(meta_dev)
-        .arg(&mut *out)
+        .arg(&q)
+        .arg(&k)
+        .arg(&v)
+        .arg(&meta_dev)
+        .arg(&mut out)
         .arg(&mut lse_view)
         .arg(&mut *o_part)
         .arg(&mut *lse_part)
@@ -711,8 +738,8 @@ fn run<T: CudaElement>(
         builder
             .arg(&*o_part)
             .arg(&*lse_part)
-            .arg(meta_dev)
-            .arg(&mut *out)
+            .arg(&meta_dev)
+            .arg(&mut out)
             .arg(&mut lse_view)
             .arg(params);
         // SAFETY: as above; the partials hold at least `splits` splits.

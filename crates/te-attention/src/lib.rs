@@ -36,7 +36,7 @@ mod tile_math;
 
 pub use ndarray;
 
-pub use attention::{AttnMetadata, DotProductAttention, KvInput, Positions};
+pub use attention::{AttnMetadata, AttnOutput, DotProductAttention, KvInput, Positions};
 pub use cpu::AttentionWorkspace;
 pub use error::AttentionError;
 pub use mask::{AttnMaskType, KeyRange};

@@ -21,13 +21,25 @@ pub fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
     }
 }
 
+/// The output of [`gemm`]: `c`, f32 row-major with leading dimension
+/// `ldc` (elements between rows), accumulated into or overwritten.
+pub struct GemmOut<'c> {
+    /// At least `(m - 1) * ldc + n` elements.
+    pub c: &'c mut [f32],
+    /// Elements from one row of `c` to the next (at least `n`).
+    pub ldc: usize,
+    /// Add the product to `c` (`true`) or overwrite `c` with it.
+    pub accumulate: bool,
+}
+
 /// `c[i, j] (+)= sum_p a_i[p * a_cs] * b_p[j]` for `i < m`, `j < n`,
 /// `p < k`: `a_row(i)` is row `i` of A read with column stride `a_cs`
 /// (1: a plain row; the row count of a transposed operand otherwise),
 /// `b_row(p)` is row `p` of B (at least `n` elements); both are converted
-/// to f32. `c` is row-major with leading dim `ldc`; accumulates into `c`
-/// when `accumulate`, overwrites it otherwise. Register tiles of `MR x NR`
-/// (then 4 and 1 rows, and single columns for the remainders).
+/// to f32. `out.c` is row-major with leading dim `out.ldc`; accumulates
+/// into it when `out.accumulate`, overwrites it otherwise. Register tiles
+/// of `MR x NR` (then 4 and 1 rows, and single columns for the
+/// remainders).
 #[inline(always)]
 pub fn gemm<'a, 'b, Ta: Element, Tb: Element, const MR: usize, const NR: usize, const FMA: bool>(
     m: usize,
@@ -36,21 +48,19 @@ pub fn gemm<'a, 'b, Ta: Element, Tb: Element, const MR: usize, const NR: usize, 
     a_row: impl Fn(usize) -> &'a [Ta],
     a_cs: usize,
     b_row: impl Fn(usize) -> &'b [Tb],
-    c: &mut [f32],
-    ldc: usize,
-    accumulate: bool,
+    mut out: GemmOut<'_>,
 ) {
     let mut r = 0;
     while r + MR <= m {
-        block::<Ta, Tb, MR, NR, FMA>(r, n, k, &a_row, a_cs, &b_row, c, ldc, accumulate);
+        block::<Ta, Tb, MR, NR, FMA>(r, n, k, &a_row, a_cs, &b_row, &mut out);
         r += MR;
     }
     while MR > 4 && r + 4 <= m {
-        block::<Ta, Tb, 4, NR, FMA>(r, n, k, &a_row, a_cs, &b_row, c, ldc, accumulate);
+        block::<Ta, Tb, 4, NR, FMA>(r, n, k, &a_row, a_cs, &b_row, &mut out);
         r += 4;
     }
     while r < m {
-        block::<Ta, Tb, 1, NR, FMA>(r, n, k, &a_row, a_cs, &b_row, c, ldc, accumulate);
+        block::<Ta, Tb, 1, NR, FMA>(r, n, k, &a_row, a_cs, &b_row, &mut out);
         r += 1;
     }
 }
@@ -65,10 +75,9 @@ fn block<'a, 'b, Ta: Element, Tb: Element, const R: usize, const NR: usize, cons
     a_row: &impl Fn(usize) -> &'a [Ta],
     a_cs: usize,
     b_row: &impl Fn(usize) -> &'b [Tb],
-    c: &mut [f32],
-    ldc: usize,
-    accumulate: bool,
+    out: &mut GemmOut<'_>,
 ) {
+    let (c, ldc, accumulate) = (&mut *out.c, out.ldc, out.accumulate);
     if k == 0 {
         if !accumulate {
             for i in 0..R {
@@ -271,9 +280,11 @@ mod tests {
                         |i| &a[row_start(i)..],
                         a_cs,
                         |p| &b[p * n..],
-                        &mut c,
-                        n,
-                        accumulate,
+                        GemmOut {
+                            c: &mut c,
+                            ldc: n,
+                            accumulate,
+                        },
                     );
                     for i in 0..m {
                         for j in 0..n {

@@ -18,7 +18,7 @@ use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use te_attention::cuda::CudaKvInput;
+use te_attention::cuda::{CudaAttnOutput, CudaKvInput};
 use te_attention::AttnMaskType;
 use te_kernels::cuda::{gpu_test_device, CudaDevice, CudaElement};
 use te_kernels::QkvFormat;
@@ -68,10 +68,10 @@ fn run_gpu<T: CudaElement>(
             &q.slice(..inp.q.len()),
             &kv,
             &meta,
-            &mut out.slice_mut(..n_out),
-            with_lse
-                .then(|| lse.slice_mut(..rows * case.h_q()))
-                .as_mut(),
+            CudaAttnOutput {
+                out: out.slice_mut(..n_out),
+                lse: with_lse.then(|| lse.slice_mut(..rows * case.h_q())),
+            },
             splits,
         )
         .unwrap_or_else(|e| panic!("{case:?}: {e}"));

@@ -4,7 +4,8 @@
 
 use proptest::prelude::*;
 use te_attention::{
-    AttentionWorkspace, AttnMaskType, AttnMetadata, DotProductAttention, KvInput, Positions,
+    AttentionWorkspace, AttnMaskType, AttnMetadata, AttnOutput, DotProductAttention, KvInput,
+    Positions,
 };
 use te_kernels::QkvFormat;
 
@@ -35,13 +36,19 @@ fn seq() -> impl Strategy<Value = Seq> {
         })
 }
 
+/// The f32 inputs of one forward: `q: [t, hq, d]`, `k` and `v: [tk, hkv,
+/// d]` (thd, sequences in order).
+#[derive(Clone, Copy)]
+struct Qkv<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+}
+
 /// Naive float64: `[t, hq, d]` output and `[hq, t]` lse.
-#[allow(clippy::too_many_arguments)]
 fn reference(
     seqs: &[Seq],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    Qkv { q, k, v }: Qkv<'_>,
     (hq, hkv, d): (usize, usize, usize),
     causal: bool,
     window: Option<(i64, i64)>,
@@ -161,13 +168,12 @@ proptest! {
             KvInput::Tensors { k: &k, v: &v },
             &meta,
             &positions,
-            &mut out,
-            Some(&mut lse),
+            AttnOutput { out: &mut out, lse: Some(&mut lse) },
             &mut AttentionWorkspace::default(),
         )
         .unwrap();
         let window = window.map(|(l, r)| (l, if causal { r.min(0) } else { r }));
-        let (want, want_lse) = reference(&seqs, &q, &k, &v, (hq, hkv, d), causal, window, softcap);
+        let (want, want_lse) = reference(&seqs, Qkv { q: &q, k: &k, v: &v }, (hq, hkv, d), causal, window, softcap);
         for (i, (&got, &w)) in out.iter().zip(&want).enumerate() {
             prop_assert!((got as f64 - w).abs() <= 2e-5, "out[{i}] = {got}, want {w}");
         }
@@ -207,8 +213,10 @@ fn positions_that_disagree_with_the_keys_are_errors() {
                 cu_k: cu,
                 k: k_pos,
             },
-            &mut out,
-            None,
+            AttnOutput {
+                out: &mut out,
+                lse: None,
+            },
             &mut AttentionWorkspace::default(),
         )
         .map(|()| out)

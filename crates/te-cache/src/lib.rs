@@ -14,7 +14,9 @@
 //! Main types: [`InferenceParams`] (bookkeeping: sequence table, page pools
 //! with reference counts, prefix index, step plan) over a [`KvStorage`]
 //! ([`HostKvStorage`] in host memory; a device cache implements the trait
-//! and reuses the bookkeeping), [`CacheLayout`] (contiguous or paged),
+//! and reuses the bookkeeping), [`CacheShape`] (its geometry: batch,
+//! sequence length, layers, heads, head dims, dtype, layout),
+//! [`CacheLayout`] (contiguous or paged),
 //! [`SlidingWindow`] (per-layer ring of the last positions), [`CacheError`].
 //!
 //! Invariants:
@@ -34,5 +36,5 @@ mod prefix;
 mod storage;
 
 pub use error::CacheError;
-pub use params::{CacheLayout, InferenceParams, SlidingWindow, StepPlan};
+pub use params::{CacheLayout, CacheShape, InferenceParams, SlidingWindow, StepPlan};
 pub use storage::{HostKvStorage, KvStorage};

@@ -32,6 +32,34 @@ pub enum CacheLayout {
     },
 }
 
+/// The geometry of a KV cache, fixed at construction
+/// ([`InferenceParams::new`], [`InferenceParams::with_storage`]): the
+/// arguments of TransformerEngine's `InferenceParams`, with Hugging Face's
+/// names where TransformerEngine has none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheShape {
+    /// Most sequences held at a time (and run per step), in sequences
+    /// (TransformerEngine `max_batch_size`).
+    pub max_batch_size: usize,
+    /// Most tokens per sequence, in tokens: positions `0..max_seqlen`
+    /// (TransformerEngine `max_sequence_length`).
+    pub max_seqlen: usize,
+    /// Transformer layers, each with its own K and V storage (Hugging Face
+    /// `num_hidden_layers`).
+    pub num_layers: usize,
+    /// Key/value heads per layer, `h_kv` (TransformerEngine `num_heads_kv`,
+    /// Hugging Face `num_key_value_heads`).
+    pub num_heads_kv: usize,
+    /// Elements per key head, `d_k` (TransformerEngine `head_dim_k`).
+    pub head_dim_k: usize,
+    /// Elements per value head, `d_v` (TransformerEngine `head_dim_v`).
+    pub head_dim_v: usize,
+    /// Element type of the stored keys and values.
+    pub dtype: DType,
+    /// Contiguous slots or a page pool (rows per page and pages per layer).
+    pub layout: CacheLayout,
+}
+
 /// A sliding-window override of one layer (see
 /// [`InferenceParams::set_sliding_window`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -226,31 +254,12 @@ fn invalid(arg: &'static str, reason: impl Into<String>) -> CacheError {
 }
 
 impl InferenceParams<HostKvStorage> {
-    /// An empty cache of `num_layers` full-attention layers in host memory;
-    /// all storage is allocated here (zeros).
+    /// An empty cache of `shape.num_layers` full-attention layers in host
+    /// memory; all storage is allocated here (zeros).
     ///
     /// Errors: as [`with_storage`](Self::with_storage).
-    pub fn new(
-        max_batch_size: usize,
-        max_seqlen: usize,
-        num_layers: usize,
-        num_heads_kv: usize,
-        head_dim_k: usize,
-        head_dim_v: usize,
-        dtype: DType,
-        layout: CacheLayout,
-    ) -> Result<Self, CacheError> {
-        Self::with_storage(
-            max_batch_size,
-            max_seqlen,
-            num_layers,
-            num_heads_kv,
-            head_dim_k,
-            head_dim_v,
-            dtype,
-            layout,
-            HostKvStorage::new(dtype, num_layers),
-        )
+    pub fn new(shape: CacheShape) -> Result<Self, CacheError> {
+        Self::with_storage(shape, HostKvStorage::new(shape.dtype, shape.num_layers))
     }
 }
 
@@ -400,23 +409,23 @@ fn not_host() -> CacheError {
 }
 
 impl<S: KvStorage> InferenceParams<S> {
-    /// An empty cache of `num_layers` full-attention layers over `storage`,
-    /// which is allocated here through [`KvStorage::allocate`].
+    /// An empty cache of `shape.num_layers` full-attention layers over
+    /// `storage`, which is allocated here through [`KvStorage::allocate`].
     ///
     /// Errors: any size 0, a paged `page_size` or `total_num_pages` of 0,
     /// `max_batch_size * max_seqlen` or `total_num_pages` above `i32::MAX`
     /// (cu_seqlens and page ids are i32), storage size overflowing usize.
-    pub fn with_storage(
-        max_batch_size: usize,
-        max_seqlen: usize,
-        num_layers: usize,
-        num_heads_kv: usize,
-        head_dim_k: usize,
-        head_dim_v: usize,
-        dtype: DType,
-        layout: CacheLayout,
-        storage: S,
-    ) -> Result<Self, CacheError> {
+    pub fn with_storage(shape: CacheShape, storage: S) -> Result<Self, CacheError> {
+        let CacheShape {
+            max_batch_size,
+            max_seqlen,
+            num_layers,
+            num_heads_kv,
+            head_dim_k,
+            head_dim_v,
+            dtype,
+            layout,
+        } = shape;
         for (arg, value) in [
             ("max_batch_size", max_batch_size),
             ("max_seqlen", max_seqlen),
@@ -1008,6 +1017,20 @@ impl<S: KvStorage> InferenceParams<S> {
             }
         }
         Ok(())
+    }
+
+    /// The geometry the cache was built with.
+    pub fn shape(&self) -> CacheShape {
+        CacheShape {
+            max_batch_size: self.max_batch_size,
+            max_seqlen: self.max_seqlen,
+            num_layers: self.windows.len(),
+            num_heads_kv: self.num_heads_kv,
+            head_dim_k: self.head_dim_k,
+            head_dim_v: self.head_dim_v,
+            dtype: self.dtype,
+            layout: self.layout,
+        }
     }
 
     /// Storage dtype.

@@ -6,7 +6,7 @@
 
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashSet};
-use te_cache::{CacheLayout, InferenceParams};
+use te_cache::{CacheLayout, CacheShape, InferenceParams};
 use te_kernels::{DType, QkvFormat};
 
 const NUM_LAYERS: usize = 3;
@@ -159,7 +159,16 @@ proptest! {
         window in prop::option::of((1usize..8, 1usize..6)),
         ops in prop::collection::vec(op(), 1..40),
     ) {
-        let mut params = InferenceParams::new(max_batch_size, max_seqlen, NUM_LAYERS, 1, 2, 1, DType::F32, layout).unwrap();
+        let mut params = InferenceParams::new(CacheShape {
+            max_batch_size,
+            max_seqlen,
+            num_layers: NUM_LAYERS,
+            num_heads_kv: 1,
+            head_dim_k: 2,
+            head_dim_v: 1,
+            dtype: DType::F32,
+            layout,
+        }).unwrap();
         if let Some((w, max_step_len)) = window {
             params.set_sliding_window(1, w, max_step_len).unwrap();
         }

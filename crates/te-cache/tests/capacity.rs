@@ -1,7 +1,7 @@
 //! Memory accounting and error reporting with hand-computed expectations.
 
 use half::{bf16, f16};
-use te_cache::{CacheError, CacheLayout, InferenceParams};
+use te_cache::{CacheError, CacheLayout, CacheShape, InferenceParams};
 use te_kernels::{DType, QkvFormat};
 
 fn paged(page_size: usize, total_num_pages: usize) -> CacheLayout {
@@ -18,9 +18,17 @@ fn paged(page_size: usize, total_num_pages: usize) -> CacheLayout {
 fn ragged_batch_fits_pool_sized_for_its_tokens() {
     for page_size in [1usize, 16, 64] {
         let pages = 64 * 16usize.div_ceil(page_size) + 4000usize.div_ceil(page_size);
-        let mut params =
-            InferenceParams::new(65, 4000, 2, 1, 1, 1, DType::F32, paged(page_size, pages))
-                .unwrap();
+        let mut params = InferenceParams::new(CacheShape {
+            max_batch_size: 65,
+            max_seqlen: 4000,
+            num_layers: 2,
+            num_heads_kv: 1,
+            head_dim_k: 1,
+            head_dim_v: 1,
+            dtype: DType::F32,
+            layout: paged(page_size, pages),
+        })
+        .unwrap();
         let mut steps: Vec<(u64, usize)> = (0..64).map(|id| (id, 16)).collect();
         steps.push((64, 4000));
         params.pre_step(&steps).unwrap();
@@ -72,8 +80,17 @@ fn gemma3_sliding_layers_cost_a_sixth() {
         CacheLayout::Contiguous,
         paged(16, max_batch * max_seqlen / 16),
     ] {
-        let full =
-            InferenceParams::new(max_batch, max_seqlen, 6, 1, 4, 4, DType::BF16, layout).unwrap();
+        let full = InferenceParams::new(CacheShape {
+            max_batch_size: max_batch,
+            max_seqlen,
+            num_layers: 6,
+            num_heads_kv: 1,
+            head_dim_k: 4,
+            head_dim_v: 4,
+            dtype: DType::BF16,
+            layout,
+        })
+        .unwrap();
         let mut gemma = full.clone();
         for layer in (0..6).filter(|l| l % 6 != 5) {
             gemma.set_sliding_window(layer, 512, 512).unwrap();
@@ -111,8 +128,17 @@ fn gemma3_sliding_layers_cost_a_sixth() {
 
 #[test]
 fn contiguous_view_uses_batch_slots() {
-    let mut params =
-        InferenceParams::new(3, 10, 1, 1, 1, 1, DType::F32, CacheLayout::Contiguous).unwrap();
+    let mut params = InferenceParams::new(CacheShape {
+        max_batch_size: 3,
+        max_seqlen: 10,
+        num_layers: 1,
+        num_heads_kv: 1,
+        head_dim_k: 1,
+        head_dim_v: 1,
+        dtype: DType::F32,
+        layout: CacheLayout::Contiguous,
+    })
+    .unwrap();
     params.pre_step(&[(5, 3), (9, 2)]).unwrap();
     params.pre_step(&[(9, 1), (5, 1), (1, 4)]).unwrap();
     assert_eq!(params.cu_seqlens_q(), &[0, 1, 2, 6]);
@@ -130,7 +156,17 @@ fn contiguous_view_uses_batch_slots() {
 
 #[test]
 fn half_precision_storage() {
-    let mut params = InferenceParams::new(2, 8, 1, 1, 2, 2, DType::F16, paged(4, 4)).unwrap();
+    let mut params = InferenceParams::new(CacheShape {
+        max_batch_size: 2,
+        max_seqlen: 8,
+        num_layers: 1,
+        num_heads_kv: 1,
+        head_dim_k: 2,
+        head_dim_v: 2,
+        dtype: DType::F16,
+        layout: paged(4, 4),
+    })
+    .unwrap();
     params.pre_step(&[(0, 2)]).unwrap();
     let k = [1.5, -2.0, 0.25, 3.0].map(f16::from_f32);
     let v = [0.5, 1.0, -1.0, 2.0].map(f16::from_f32);
@@ -152,7 +188,17 @@ fn half_precision_storage() {
 
 #[test]
 fn errors_name_the_offending_argument() {
-    let mut params = InferenceParams::new(2, 8, 2, 1, 2, 1, DType::F32, paged(4, 3)).unwrap();
+    let mut params = InferenceParams::new(CacheShape {
+        max_batch_size: 2,
+        max_seqlen: 8,
+        num_layers: 2,
+        num_heads_kv: 1,
+        head_dim_k: 2,
+        head_dim_v: 1,
+        dtype: DType::F32,
+        layout: paged(4, 3),
+    })
+    .unwrap();
     assert_eq!(
         params.step::<f32>(0, &[], &[], QkvFormat::Thd).unwrap_err(),
         CacheError::NoStep
@@ -240,14 +286,32 @@ fn errors_name_the_offending_argument() {
         }
     );
     assert!(matches!(
-        InferenceParams::new(0, 8, 1, 1, 1, 1, DType::F32, CacheLayout::Contiguous),
+        InferenceParams::new(CacheShape {
+            max_batch_size: 0,
+            max_seqlen: 8,
+            num_layers: 1,
+            num_heads_kv: 1,
+            head_dim_k: 1,
+            head_dim_v: 1,
+            dtype: DType::F32,
+            layout: CacheLayout::Contiguous,
+        }),
         Err(CacheError::InvalidArgument {
             arg: "max_batch_size",
             ..
         })
     ));
     assert!(matches!(
-        InferenceParams::new(1, 8, 1, 1, 1, 1, DType::F32, paged(0, 4)),
+        InferenceParams::new(CacheShape {
+            max_batch_size: 1,
+            max_seqlen: 8,
+            num_layers: 1,
+            num_heads_kv: 1,
+            head_dim_k: 1,
+            head_dim_v: 1,
+            dtype: DType::F32,
+            layout: paged(0, 4),
+        }),
         Err(CacheError::InvalidArgument {
             arg: "page_size",
             ..
@@ -258,7 +322,17 @@ fn errors_name_the_offending_argument() {
 #[test]
 fn fork_copies_keys_and_values() {
     for layout in [CacheLayout::Contiguous, paged(2, 8)] {
-        let mut params = InferenceParams::new(3, 8, 1, 1, 1, 1, DType::F32, layout).unwrap();
+        let mut params = InferenceParams::new(CacheShape {
+            max_batch_size: 3,
+            max_seqlen: 8,
+            num_layers: 1,
+            num_heads_kv: 1,
+            head_dim_k: 1,
+            head_dim_v: 1,
+            dtype: DType::F32,
+            layout,
+        })
+        .unwrap();
         params.pre_step(&[(1, 3)]).unwrap();
         params
             .step(0, &[1.0, 2.0, 3.0], &[4.0, 5.0, 6.0], QkvFormat::Thd)

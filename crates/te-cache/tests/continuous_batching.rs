@@ -8,7 +8,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
 use te_attention::{AttnMaskType, AttnMetadata, DotProductAttention, KvInput};
-use te_cache::{CacheError, CacheLayout, InferenceParams};
+use te_cache::{CacheError, CacheLayout, CacheShape, InferenceParams};
 use te_kernels::{DType, QkvFormat};
 
 const H_Q: usize = 4;
@@ -101,16 +101,16 @@ fn simulate(
     reader: Reader,
 ) {
     let mut rng = StdRng::seed_from_u64(seed);
-    let mut params = InferenceParams::new(
-        MAX_BATCH,
-        MAX_SEQLEN,
-        NUM_LAYERS,
-        H_KV,
-        D_K,
-        D_V,
-        DType::F32,
+    let mut params = InferenceParams::new(CacheShape {
+        max_batch_size: MAX_BATCH,
+        max_seqlen: MAX_SEQLEN,
+        num_layers: NUM_LAYERS,
+        num_heads_kv: H_KV,
+        head_dim_k: D_K,
+        head_dim_v: D_V,
+        dtype: DType::F32,
         layout,
-    )
+    })
     .unwrap();
     let max_step = match window {
         Some((w, max_step_len)) => {

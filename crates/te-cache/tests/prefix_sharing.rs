@@ -9,7 +9,7 @@
 
 use proptest::prelude::*;
 use std::collections::BTreeMap;
-use te_cache::{CacheLayout, InferenceParams};
+use te_cache::{CacheLayout, CacheShape, InferenceParams};
 use te_kernels::{DType, QkvFormat};
 
 const NUM_LAYERS: usize = 2;
@@ -113,7 +113,16 @@ proptest! {
         ops in prop::collection::vec(op(), 1..40),
     ) {
         let layout = CacheLayout::Paged { page_size, total_num_pages };
-        let mut params = InferenceParams::new(max_batch_size, MAX_SEQLEN, NUM_LAYERS, 1, 1, 1, DType::F32, layout).unwrap();
+        let mut params = InferenceParams::new(CacheShape {
+            max_batch_size,
+            max_seqlen: MAX_SEQLEN,
+            num_layers: NUM_LAYERS,
+            num_heads_kv: 1,
+            head_dim_k: 1,
+            head_dim_v: 1,
+            dtype: DType::F32,
+            layout,
+        }).unwrap();
         prop_assert!(params.prefix_sharing());
         // Tokens each held sequence has cached.
         let mut model: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
@@ -204,7 +213,17 @@ fn shared_prefix_is_stored_once() {
         page_size: 4,
         total_num_pages: 8,
     };
-    let mut params = InferenceParams::new(4, 32, NUM_LAYERS, 1, 1, 1, DType::F32, layout).unwrap();
+    let mut params = InferenceParams::new(CacheShape {
+        max_batch_size: 4,
+        max_seqlen: 32,
+        num_layers: NUM_LAYERS,
+        num_heads_kv: 1,
+        head_dim_k: 1,
+        head_dim_v: 1,
+        dtype: DType::F32,
+        layout,
+    })
+    .unwrap();
     let a: Vec<u32> = (0..10).collect();
     assert_eq!(params.attach_prefix(1, &a, 9).unwrap(), 0);
     assert!(run_step(&mut params, &[(1, a.clone())]));

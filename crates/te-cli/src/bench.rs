@@ -40,8 +40,8 @@ use std::io::Write;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use te_engine::engine::{Engine, EngineConfig, Event, Request};
 use te_engine::sampling::SamplingParams;
+use te_engine::{Engine, EngineConfig, Event, Request};
 use te_models::model::Model;
 
 /// Most tokens one step feeds in llama-bench mode: llama-bench's default

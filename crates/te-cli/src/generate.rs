@@ -3,8 +3,8 @@
 use std::io::Write;
 
 use anyhow::{bail, Context};
-use te_engine::engine::{Engine, EngineConfig, Event, FinishReason, Request};
 use te_engine::sampling::SamplingParams;
+use te_engine::{Engine, EngineConfig, Event, FinishReason, Request};
 use te_models::context_parallel::ContextParallel;
 use te_models::loader::LoadedModel;
 use te_ring::Communicator;

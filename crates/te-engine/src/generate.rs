@@ -3,9 +3,9 @@
 //! prompts up front (tests, benches, scripts). A sequence gets the same
 //! tokens batched as alone.
 
-use crate::engine::{Engine, EngineConfig, Event, FinishReason, Request};
+use crate::{Engine, EngineConfig, Event, FinishReason, Request};
+use crate::{EngineError, Result};
 use te_models::model::Model;
-use te_models::{ModelError, Result};
 
 /// What one request produced.
 #[derive(Clone, Debug, PartialEq)]
@@ -40,7 +40,7 @@ pub fn generate(
     for (i, r) in requests.iter().enumerate() {
         let id = engine
             .add_request(r.clone())
-            .map_err(|e| ModelError::Request(format!("request {i}: {e}")))?;
+            .map_err(|error| EngineError::Request { index: i, error })?;
         ids.push(id);
     }
     // Ids are handed out in order from 0.

@@ -5,8 +5,10 @@
 //! through the model, and sequences sample, detokenize and stop
 //! independently.
 //!
-//! Main types: [`engine::Engine`] (`add_request`, `step`, `abort`),
-//! [`engine::EngineHandle`] (the engine on a thread of its own),
+//! Main types: [`Engine`] (`add_request`, `step`, `abort`), built on
+//! [`scheduler::Scheduler`] (admission, chunking, preemption, prefix hits;
+//! testable without a model), [`EngineHandle`] (the engine on a thread of
+//! its own),
 //! [`sampling::Sampler`], [`generate::generate`] (a batch of requests run
 //! to completion), [`perplexity`].
 //!
@@ -15,7 +17,19 @@
 //! batch-invariant); a rejected request disturbs no other; a failed step
 //! leaves every cache operation undone.
 
+pub mod driver;
 pub mod engine;
+pub mod error;
 pub mod generate;
+pub mod output;
 pub mod perplexity;
+pub mod request;
 pub mod sampling;
+pub mod scheduler;
+mod text;
+
+pub use driver::{channel, Command, EngineHandle, EngineStopped};
+pub use engine::{Engine, EngineConfig, EngineSnapshot, EngineStats, RankKv};
+pub use error::{EngineError, Result};
+pub use output::{Event, FinishReason, Usage};
+pub use request::{Request, RequestError, RequestId};

@@ -23,8 +23,8 @@
 
 use te_cache::CacheLayout;
 
+use crate::{EngineError, Result};
 use te_models::model::{Logits, Model};
-use te_models::{ModelError, Result};
 
 /// Settings of [`perplexity`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,21 +107,26 @@ pub fn perplexity(
     let ctx = params.ctx;
     let max_ctx = model.config.max_position_embeddings;
     if ctx < 3 || ctx > max_ctx {
-        return Err(ModelError::Request(format!(
-            "ctx {ctx} must be between 3 and the model's context {max_ctx}"
-        )));
+        return Err(EngineError::Setting {
+            setting: "ctx",
+            reason: format!("{ctx} must be between 3 and the model's context {max_ctx}"),
+        });
     }
     if params.batch_windows == 0 {
-        return Err(ModelError::Request(
-            "batch_windows must be at least 1".into(),
-        ));
+        return Err(EngineError::Setting {
+            setting: "batch_windows",
+            reason: "must be at least 1".into(),
+        });
     }
     let all = windows(tokens, ctx, params.bos);
     if all.is_empty() {
-        return Err(ModelError::Request(format!(
-            "the text has {} tokens; perplexity needs at least ctx = {ctx}",
-            tokens.len()
-        )));
+        return Err(EngineError::Setting {
+            setting: "ctx",
+            reason: format!(
+                "the text has {} tokens; perplexity needs at least ctx = {ctx}",
+                tokens.len()
+            ),
+        });
     }
     let vocab = model.config.vocab_size;
     let batch = params.batch_windows.min(all.len());

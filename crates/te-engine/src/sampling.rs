@@ -197,7 +197,7 @@ impl Sampler {
 
     /// Whether this sampler always takes the plain argmax of the logits
     /// (temperature 0, no repetition penalty): a device may then pick the
-    /// token itself ([`te_models::cuda::StepOutput::Tokens`]).
+    /// token itself ([`te_models::model::StepOutput::Tokens`]).
     pub fn is_plain_greedy(&self) -> bool {
         self.params.temperature == 0.0 && self.params.repetition_penalty == 1.0
     }

@@ -11,7 +11,7 @@ mod tiny;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use te_engine::engine::{Engine, EngineConfig, Request};
+use te_engine::{Engine, EngineConfig, Request};
 use tiny::{Checkpoint, Spec};
 
 struct Counting;

@@ -1,7 +1,7 @@
 //! GPU parity of the CUDA model path: every device op of
 //! `te_models::cuda::Cuda` against the CPU op (`te_models::device::Cpu`) on
 //! random inputs with poisoned outputs, both GEMMs (cuBLAS and
-//! `kernels/gemm.cu`) against an f32 product of the same bf16 values, the
+//! `crates/te-models/kernels/gemm.cu`) against an f32 product of the same bf16 values, the
 //! device argmax against the sampler's rule, and the tiny random models of
 //! every architecture cuda against cpu (last-token logits within bf16
 //! tolerance, the same greedy tokens).
@@ -15,7 +15,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use te_cache::CacheLayout;
-use te_engine::engine::{EngineConfig, Request};
+use te_engine::{EngineConfig, Request};
 use te_formats::WeightData;
 use te_models::config::Activation;
 use te_models::cuda::ops::{GEMM_CU, MODEL_OPS_CU};

@@ -10,11 +10,9 @@ mod tiny;
 
 use std::collections::BTreeMap;
 
-use te_engine::engine::{
-    channel, Engine, EngineConfig, Event, FinishReason, Request, RequestError,
-};
 use te_engine::generate::{generate, Control};
 use te_engine::sampling::SamplingParams;
+use te_engine::{channel, Engine, EngineConfig, Event, FinishReason, Request, RequestError};
 use te_models::model::Model;
 use tiny::{Checkpoint, Spec};
 

@@ -1,6 +1,6 @@
 //! te-kernels: the two kernels TransformerEngine added for generation, rotary
 //! position embedding (RoPE) and the KV-cache save, on CPU (rayon) and CUDA
-//! (NVRTC-compiled sources from `kernels/`), plus the layout types every other
+//! (NVRTC-compiled sources from the crate's `kernels/`), plus the layout types every other
 //! crate shares.
 //!
 //! Shape alphabet, used in every doc comment of the workspace:

@@ -190,6 +190,64 @@ impl Out {
     }
 }
 
+/// The token rows every task of a product multiplies: `x: [t, k]` f32,
+/// row-major.
+#[derive(Clone, Copy)]
+struct Input<'a> {
+    /// `[t, k]` f32 activations.
+    x: &'a [f32],
+    /// Token rows.
+    t: usize,
+    /// Columns per row (the weights' row length).
+    k: usize,
+}
+
+/// A task's weight rows in GGUF blocks, as the register-decoded kernels
+/// read them: `rows` rows of `k` weights of `ty`, `row_bytes` bytes each,
+/// back to back in `data` (`[rows * row_bytes]` bytes).
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct QuantRows<'a> {
+    ty: GgmlType,
+    data: &'a [u8],
+    row_bytes: usize,
+    rows: usize,
+}
+
+/// The f32 weight rows of one panel: `rows` rows of `k` floats in `w`,
+/// `ldw` floats apart (`ldw >= k`; decoded weights padded to
+/// [`panel_stride`], or f32 weights read in place with `ldw = k`).
+#[derive(Clone, Copy)]
+struct Panel<'a> {
+    w: &'a [f32],
+    ldw: usize,
+    rows: usize,
+}
+
+/// Where a task writes: columns `j0 ..` of the product's output `y`, one
+/// per weight row it owns (no other task writes them).
+#[derive(Clone, Copy)]
+struct Cols {
+    y: Out,
+    j0: usize,
+}
+
+/// One parallel task of a product: weight rows `j0 .. j0 + rows` of `w`,
+/// written to the same columns of `out`, with the layout of its scratch
+/// panel.
+#[derive(Clone, Copy)]
+struct Task<'a> {
+    w: Weights<'a>,
+    out: Out,
+    j0: usize,
+    rows: usize,
+    /// Weight rows per decoded panel (a multiple of [`MR`]).
+    prows: usize,
+    /// Floats of k-blocked accumulator state at the end of the scratch
+    /// panel (0 when `k` is one block).
+    state_len: usize,
+}
+
 /// Up to this many token rows (one AVX-512 register tile), quantized
 /// weights are decoded in registers instead of into a panel.
 #[cfg(target_arch = "x86_64")]
@@ -202,23 +260,19 @@ fn fused_type(ty: GgmlType) -> bool {
     matches!(ty, Q4_0 | Q4_1 | Q5_0 | Q8_0 | Q4_K | Q6_K)
 }
 
-/// `y[i, j0 + j] = x_i · w_j` for `rows` weight rows of GGUF blocks
-/// (`data`, `row_bytes` per row) and every row of `x: [t, k]` (`t <=`
-/// [`FUSED_MAX_ROWS`]), decoded in registers. Needs AVX-512 and a type of
-/// [`fused_type`]; the task must own columns `j0 .. j0 + rows` of `y`.
+/// `y[i, j0 + j] = x_i · w_j` for the `w.rows` weight rows of GGUF blocks
+/// and every row of `x: [t, k]` (`t <=` [`FUSED_MAX_ROWS`]), decoded in
+/// registers. Needs AVX-512 and a type of [`fused_type`]; the task must own
+/// columns `j0 .. j0 + w.rows` of `y`.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
-fn fused_product(
-    ty: GgmlType,
-    x: &[f32],
-    t: usize,
-    k: usize,
-    data: &[u8],
-    row_bytes: usize,
-    rows: usize,
-    y: Out,
-    j0: usize,
-) {
+fn fused_product(input: Input<'_>, w: QuantRows<'_>, Cols { y, j0 }: Cols) {
+    let Input { x, t, k } = input;
+    let QuantRows {
+        ty,
+        data,
+        row_bytes,
+        rows,
+    } = w;
     debug_assert!(t <= FUSED_MAX_ROWS && x.len() == t * k);
     for m0 in (0..rows).step_by(MR) {
         let mr = MR.min(rows - m0);
@@ -277,20 +331,16 @@ const FUSED_MAX_ROWS_AVX2: usize = 2;
 
 /// [`fused_product`] with AVX2 + FMA: the weights decoded in registers by
 /// `crate::quant::avx2` (a type it has a decoder for, and F16C), `t <=`
-/// [`FUSED_MAX_ROWS_AVX2`]; the task must own columns `j0 .. j0 + rows`.
+/// [`FUSED_MAX_ROWS_AVX2`]; the task must own columns `j0 .. j0 + w.rows`.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
-fn fused_product_avx2(
-    ty: GgmlType,
-    x: &[f32],
-    t: usize,
-    k: usize,
-    data: &[u8],
-    row_bytes: usize,
-    rows: usize,
-    y: Out,
-    j0: usize,
-) {
+fn fused_product_avx2(input: Input<'_>, w: QuantRows<'_>, Cols { y, j0 }: Cols) {
+    let Input { x, t, k } = input;
+    let QuantRows {
+        ty,
+        data,
+        row_bytes,
+        rows,
+    } = w;
     debug_assert!(t <= FUSED_MAX_ROWS_AVX2 && x.len() == t * k);
     let (block_len, block_bytes) = ty.block_layout().expect("a block type");
     for m0 in (0..rows).step_by(MR) {
@@ -447,28 +497,31 @@ pub(crate) fn matmul_many_into_isa<const N: usize>(
             let (w, out) = ws[i];
             // This task's weight rows, i.e. columns j0 .. j0 + rows of y.
             let j0 = (ti - first_task[i]) * rows_per_task;
-            let rows = rows_per_task.min(out.n - j0);
-            product_task(isa, x, t, k, w, j0, rows, prows, state_len, panel, out);
+            let task = Task {
+                w,
+                out,
+                j0,
+                rows: rows_per_task.min(out.n - j0),
+                prows,
+                state_len,
+            };
+            product_task(isa, Input { x, t, k }, task, panel);
         });
 }
 
 /// Rows `j0 .. j0 + rows` of one product (columns of its `y: [t, out.n]`),
 /// with the task's scratch `panel` (`prows * panel_stride(k)` decoded weights when
 /// quantized, then `state_len` accumulators).
-#[allow(clippy::too_many_arguments)]
-fn product_task(
-    isa: Isa,
-    x: &[f32],
-    t: usize,
-    k: usize,
-    w: Weights<'_>,
-    j0: usize,
-    rows: usize,
-    prows: usize,
-    state_len: usize,
-    panel: &mut [f32],
-    out: Out,
-) {
+fn product_task(isa: Isa, input: Input<'_>, task: Task<'_>, panel: &mut [f32]) {
+    let Input { t, k, .. } = input;
+    let Task {
+        w,
+        out,
+        j0,
+        rows,
+        prows,
+        state_len,
+    } = task;
     let row_bytes = match w {
         Weights::F32(_) => 0,
         Weights::Quantized { data, .. } => data.len() / out.n,
@@ -476,13 +529,19 @@ fn product_task(
     // Few token rows: decode in registers (AVX-512 group decoders).
     #[cfg(target_arch = "x86_64")]
     if let Weights::Quantized { ty, data } = w {
-        let data = &data[j0 * row_bytes..(j0 + rows) * row_bytes];
+        let cols = Cols { y: out, j0 };
+        let w = QuantRows {
+            ty,
+            data: &data[j0 * row_bytes..(j0 + rows) * row_bytes],
+            row_bytes,
+            rows,
+        };
         if isa == Isa::Avx512 && t <= FUSED_MAX_ROWS && fused_type(ty) {
-            fused_product(ty, x, t, k, data, row_bytes, rows, out, j0);
+            fused_product(input, w, cols);
             return;
         }
         if isa == Isa::Avx2 && t <= FUSED_MAX_ROWS_AVX2 && crate::quant::avx2::available(ty) {
-            fused_product_avx2(ty, x, t, k, data, row_bytes, rows, out, j0);
+            fused_product_avx2(input, w, cols);
             return;
         }
     }
@@ -510,14 +569,20 @@ fn product_task(
                 )
             }
         };
+        let panel = Panel {
+            w: wp,
+            ldw,
+            rows: pr,
+        };
+        let cols = Cols { y: out, j0: r0 };
         #[cfg(target_arch = "x86_64")]
         if isa == Isa::Avx512 {
-            panel_product_avx512(x, t, k, wp, ldw, pr, state, out, r0, next);
+            panel_product_avx512(input, panel, state, cols, next);
             continue;
         }
         // (Only the AVX-512 kernel prefetches; elsewhere `next` is unused.)
         let _ = next;
-        panel_product(isa, x, t, k, wp, ldw, pr, out, r0);
+        panel_product(isa, input, panel, cols);
     }
 }
 
@@ -537,28 +602,25 @@ const STATE_ROWS: usize = 48;
 /// of [`STATE_ROWS`] token rows, the columns are walked in blocks of
 /// [`KC`], each tile's 16-lane accumulators saved to `state` between
 /// blocks and reloaded (exact), so every accumulator still sees its
-/// columns in order and the arithmetic is the module's. `w`: `rows` rows
-/// of `k` floats, `ldw` apart; `state`: at least `STATE_ROWS *
-/// rows.div_ceil(MR) * MR * 16` floats when `k > KC` (unused otherwise).
+/// columns in order and the arithmetic is the module's. `panel.w`:
+/// `panel.rows` rows of `k` floats, `panel.ldw` apart; `state`: at least
+/// `STATE_ROWS * rows.div_ceil(MR) * MR * 16` floats when `k > KC` (unused
+/// otherwise).
 /// `next` (the quantized bytes of the task's next panel, or empty) is
 /// prefetched into the caches a little after each tile, so that decoding
 /// it does not wait on memory: at 32 token rows Gemma 3's output product
 /// spent a fifth of its time decoding, most of it waiting for the
 /// weights.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
 fn panel_product_avx512(
-    x: &[f32],
-    t: usize,
-    k: usize,
-    w: &[f32],
-    ldw: usize,
-    rows: usize,
+    input: Input<'_>,
+    panel: Panel<'_>,
     state: &mut [f32],
-    y: Out,
-    j0: usize,
+    Cols { y, j0 }: Cols,
     next: &[u8],
 ) {
+    let Input { x, t, k } = input;
+    let Panel { w, ldw, rows } = panel;
     const NR: usize = 6;
     let tiles_m = rows.div_ceil(MR);
     assert!(
@@ -620,9 +682,7 @@ fn panel_product_avx512(
                             // (null only for one block: first and last);
                             // rows i0 .. i0 + nr < t and columns j0 + m0 ..
                             // j0 + m0 + mr of y are this task's.
-                            unsafe {
-                                avx512::tile_block::<$nr>(&xp, &wp, c0, c1, k, st, c0 == 0, last)
-                            }
+                            unsafe { avx512::tile_block::<$nr>(&xp, &wp, c0..c1, k, st, last) }
                         }};
                     }
                     match nr {
@@ -653,18 +713,9 @@ fn panel_product_avx512(
 /// `y[i, j0 + j] = x_i · w_j` for the `rows` weight rows of one panel
 /// (`w`, row stride `ldw`) and every row of `x: [t, k]`; the task must own
 /// columns `j0 .. j0 + rows` of `y`.
-#[allow(clippy::too_many_arguments)]
-fn panel_product(
-    isa: Isa,
-    x: &[f32],
-    t: usize,
-    k: usize,
-    w: &[f32],
-    ldw: usize,
-    rows: usize,
-    y: Out,
-    j0: usize,
-) {
+fn panel_product(isa: Isa, input: Input<'_>, panel: Panel<'_>, Cols { y, j0 }: Cols) {
+    let Input { x, t, k } = input;
+    let Panel { w, ldw, rows } = panel;
     let nr_max = match isa {
         Isa::Avx512 => unreachable!("AVX-512 panels run in panel_product_avx512"),
         Isa::Avx2 => 3,
@@ -781,31 +832,30 @@ mod avx512 {
     /// types, bound by decoding, are unchanged.
     const PREFETCH_TILES: usize = 4;
 
-    /// Columns `c0..c1` of a tile's products (`c0` a multiple of 16; the
-    /// last group masked when `c1 == k` is not), continuing the 16-lane
-    /// accumulators saved at `state[(m · NR + r) · 16 ..][..16]` (zeros
-    /// when `first`). Then, with `last = Some(((y, n), mr))`, the lane
-    /// tree of each accumulator goes to `y[r · n + m]` for `m < mr` (the
-    /// tile's rows past `mr` are dropped); otherwise the accumulators are
-    /// saved back to `state`.
+    /// Columns `cols = c0..c1` of a tile's products (`c0` a multiple of
+    /// 16; the last group masked when `c1 == k` is not), continuing the
+    /// 16-lane accumulators saved at `state[(m · NR + r) · 16 ..][..16]`
+    /// (zeros for the first block, `c0 == 0`). Then, with `last =
+    /// Some(((y, n), mr))`, the lane tree of each accumulator goes to
+    /// `y[r · n + m]` for `m < mr` (the tile's rows past `mr` are
+    /// dropped); otherwise the accumulators are saved back to `state`.
     ///
     /// # Safety
     /// The CPU must support AVX-512F; every pointer must start `k`
     /// readable floats; `state` must hold `MR · NR · 16` floats (it is
-    /// not accessed, and may be null, when `first` and `last`); with
+    /// not accessed, and may be null, when `c0 == 0` and `last`); with
     /// `last`, `y[r · n .. r · n + mr]` must be writable for `r < NR`.
     #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn tile_block<const NR: usize>(
         x: &[*const f32; NR],
         w: &[*const f32; MR],
-        c0: usize,
-        c1: usize,
+        cols: std::ops::Range<usize>,
         k: usize,
         state: *mut f32,
-        first: bool,
         last: Option<((*mut f32, usize), usize)>,
     ) {
+        let std::ops::Range { start: c0, end: c1 } = cols;
+        let first = c0 == 0;
         let mut acc = [[_mm512_setzero_ps(); NR]; MR];
         if !first {
             for m in 0..MR {
@@ -1232,13 +1282,19 @@ mod tests {
         })
     }
 
+    /// Where a row sits: row `p` of a batch of `t` token rows.
+    #[derive(Clone, Copy)]
+    struct Slot {
+        t: usize,
+        p: usize,
+    }
+
     /// Row `p`'s outputs when `row` is row `p` of a batch of `t` (the other
     /// rows random): `[n]` of the product's `[t, n]`.
     fn row_in_batch(
         isa: Isa,
         row: &[f32],
-        t: usize,
-        p: usize,
+        Slot { t, p }: Slot,
         w: Weights<'_>,
         n: usize,
         k: usize,
@@ -1289,7 +1345,7 @@ mod tests {
                     for t in [1usize, 2, 5, 7, 8, 33, 100, 512] {
                         let at = [0, t / 2, t - 1, rng.gen_range(0..t)];
                         for p in at {
-                            let y = row_in_batch(isa, &row, t, p, w, n, k, &mut rng);
+                            let y = row_in_batch(isa, &row, Slot { t, p }, w, n, k, &mut rng);
                             for (j, (&g, &e)) in y.iter().zip(&want).enumerate() {
                                 prop_assert_eq!(
                                     g.to_bits(), e.to_bits(),
@@ -1358,7 +1414,7 @@ mod tests {
                 // 7, 33, 47: tiles of uneven sizes; 50: a second row block.
                 for t in [1usize, 7, 33, 47, 50] {
                     for p in [0, t / 2, t - 1] {
-                        let y = row_in_batch(isa, &row, t, p, w, n, k, &mut rng);
+                        let y = row_in_batch(isa, &row, Slot { t, p }, w, n, k, &mut rng);
                         for (j, (&g, &e)) in y.iter().zip(&want).enumerate() {
                             assert_eq!(
                                 g.to_bits(),

@@ -58,7 +58,7 @@
 use ndarray::{Array, ArrayView, ArrayView2, ArrayViewMut, Dimension};
 
 use crate::kv_save::check_cu_seqlens;
-use crate::rope::{check_no_overlap, rope_rows, SharedMut};
+use crate::rope::{check_no_overlap, rope_rows, RopeIo};
 use crate::{
     apply_rope_cpu, apply_rope_cpu_out, save_kv_cpu, ConvertArgs, Element, KernelError,
     KvCacheLayout, KvStep, QkvFormat, RopeArgs, RopeConvention, RopeTable, TensorStrides,
@@ -341,18 +341,7 @@ pub fn apply_rope<T: Element, D: Dimension>(
     // < cu_seqlens[b] <= t, checked above) at the view's own non-negative
     // strides, so in bounds and owned by the view (`&mut`); distinct
     // elements have distinct addresses (`check_no_overlap`).
-    unsafe {
-        rope_rows(
-            p,
-            SharedMut(p),
-            plan.strides,
-            plan.strides,
-            false,
-            table,
-            &rope,
-            plan.tokens,
-        )
-    };
+    unsafe { rope_rows(RopeIo::in_place(p, plan.strides), table, &rope, plan.tokens) };
     Ok(())
 }
 
@@ -396,11 +385,7 @@ pub fn apply_rope_out<T: Element, D: Dimension, E: Dimension>(
             // elements (its shape was checked), each written by one task.
             unsafe {
                 rope_rows(
-                    x.as_ptr(),
-                    SharedMut(out.as_mut_ptr()),
-                    plan.strides,
-                    dst,
-                    true,
+                    RopeIo::out_of_place(x.as_ptr(), plan.strides, out.as_mut_ptr(), dst),
                     table,
                     &rope,
                     plan.tokens,

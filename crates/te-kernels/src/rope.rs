@@ -10,8 +10,7 @@
 use rayon::prelude::*;
 
 use crate::cu_seqlens::check_cu_seqlens;
-// `SharedMut` is re-exported for `crate::nd`.
-pub(crate) use crate::shared_mut::SharedMut;
+use crate::shared_mut::SharedMut;
 use crate::{Element, KernelError, QkvFormat};
 
 const OP: &str = "rope";
@@ -525,22 +524,71 @@ pub(crate) fn check_no_overlap(args: &RopeArgs, plan: &RopePlan) -> Result<(), K
     Ok(())
 }
 
-/// Rotates every token row; reads through `src` with `src_strides` and writes
-/// through `dst` with `dst_strides` (equal pointers and strides: in place).
+/// The tensors [`rope_rows`] reads and writes: `src` read at `src_strides`,
+/// `dst` written at `dst_strides` (the same pointer and strides: in place).
+#[derive(Clone, Copy)]
+pub(crate) struct RopeIo<T> {
+    src: *const T,
+    dst: SharedMut<T>,
+    src_strides: TensorStrides,
+    dst_strides: TensorStrides,
+    /// Out of place: the elements past the rotary dims (`rotary_dim..d`)
+    /// are copied from `src` too.
+    copy_tail: bool,
+}
+
+impl<T> RopeIo<T> {
+    /// In place: `x` at `strides`; the elements past the rotary dims are
+    /// left as they are.
+    pub(crate) fn in_place(x: *mut T, strides: TensorStrides) -> Self {
+        RopeIo {
+            src: x,
+            dst: SharedMut(x),
+            src_strides: strides,
+            dst_strides: strides,
+            copy_tail: false,
+        }
+    }
+
+    /// Out of place: `x` read at `x_strides`, every element of `out`
+    /// written at `out_strides` (the elements past the rotary dims copied
+    /// from `x`).
+    pub(crate) fn out_of_place(
+        x: *const T,
+        x_strides: TensorStrides,
+        out: *mut T,
+        out_strides: TensorStrides,
+    ) -> Self {
+        RopeIo {
+            src: x,
+            dst: SharedMut(out),
+            src_strides: x_strides,
+            dst_strides: out_strides,
+            copy_tail: true,
+        }
+    }
+}
+
+/// Rotates every token row of `io`: reads through `src` with `src_strides`
+/// and writes through `dst` with `dst_strides` (equal pointers and strides:
+/// in place).
 ///
 /// # Safety
 /// Every element addressed must be in bounds of its allocation, and distinct
 /// `(token, head, elem)` must map to distinct `dst` addresses.
 pub(crate) unsafe fn rope_rows<T: Element>(
-    src: *const T,
-    dst: SharedMut<T>,
-    src_strides: TensorStrides,
-    dst_strides: TensorStrides,
-    copy_tail: bool,
+    io: RopeIo<T>,
     table: &RopeTable,
     args: &RopeArgs,
     tokens: usize,
 ) {
+    let RopeIo {
+        src,
+        dst,
+        src_strides,
+        dst_strides,
+        copy_tail,
+    } = io;
     let half = table.rotary_dim / 2;
     let src = SharedMut(src as *mut T);
     let (h, d) = (args.num_heads, args.head_dim);
@@ -647,18 +695,7 @@ pub fn apply_rope_cpu<T: Element>(
     check_no_overlap(args, &plan)?;
     let p = x.as_mut_ptr();
     // SAFETY: bounds checked by `min_len`, disjointness by `check_no_overlap`.
-    unsafe {
-        rope_rows(
-            p,
-            SharedMut(p),
-            plan.strides,
-            plan.strides,
-            false,
-            table,
-            args,
-            plan.tokens,
-        )
-    };
+    unsafe { rope_rows(RopeIo::in_place(p, plan.strides), table, args, plan.tokens) };
     Ok(())
 }
 
@@ -696,11 +733,7 @@ pub fn apply_rope_cpu_out<T: Element>(
     // `tokens * h * d` elements, each written by one task.
     unsafe {
         rope_rows(
-            x.as_ptr(),
-            SharedMut(out.as_mut_ptr()),
-            plan.strides,
-            dst_strides,
-            true,
+            RopeIo::out_of_place(x.as_ptr(), plan.strides, out.as_mut_ptr(), dst_strides),
             table,
             args,
             plan.tokens,

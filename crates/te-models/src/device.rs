@@ -5,7 +5,7 @@
 //! row-major, `[rows, width]`), its weight matrix and vector types and its
 //! RoPE table, and implements each op on them. [`Cpu`] is the host: every
 //! op calls the function the CPU forward has always called
-//! ([`crate::ops`], [`crate::activation`], te-kernels' `apply_rope_cpu`),
+//! ([`crate::ops`], [`te_kernels::activation`], te-kernels' `apply_rope_cpu`),
 //! in the same order as the CPU forward before device ops existed. The CUDA device
 //! is `crate::cuda::Cuda` (bf16 weights, f32 activations).
 //!

@@ -117,13 +117,16 @@ impl Layer {
             rope_cu: cu_seqlens_q,
             rope_start: plan.start_positions(),
         };
+        let bufs = LayerBufs {
+            x,
+            tmp: &mut ws.bufs,
+        };
         self.run(
             &mut ws.cpu,
             w,
-            x,
+            bufs,
             rows,
             rope,
-            &mut ws.bufs,
             &mut attend_cached(cache, plan),
         )
     }
@@ -131,21 +134,20 @@ impl Layer {
     /// The layer around its attention, on device `dev`: norms,
     /// projections, q/k norms, RoPE at `rows`' positions, then
     /// `attend(self, dev, q/k/v, out)` (save K/V and attend: `out: [t, hq *
-    /// d]`), output projection and MLP. `x: [t, hidden]`; `bufs` are the
-    /// eight intermediates, resized here. Single-rank
-    /// ([`Layer::forward`]), context-parallel ([`crate::context_parallel`])
-    /// and CUDA steps differ only in `dev` and `attend`.
-    #[allow(clippy::too_many_arguments)]
+    /// d]`), output projection and MLP, on `bufs.x: [t, hidden]` through
+    /// `bufs.tmp`. Single-rank ([`Layer::forward`]), context-parallel
+    /// ([`crate::context_parallel`]) and CUDA steps differ only in `dev`
+    /// and `attend`.
     pub(crate) fn run<D: DeviceOps>(
         &self,
         dev: &mut D,
         w: &LayerWeights<D::Linear, D::Vector>,
-        x: &mut D::Buf,
+        bufs: LayerBufs<'_, D::Buf>,
         rows: Rows<'_>,
         rope: &D::Rope,
-        bufs: &mut [D::Buf; 8],
         attend: &mut Attend<'_, D>,
     ) -> Result<()> {
+        let LayerBufs { x, tmp: bufs } = bufs;
         let (hq, hkv, d) = (self.num_heads, self.num_heads_kv, self.head_dim);
         let t = rows.t;
         let (hidden, inter) = (self.hidden, self.intermediate);
@@ -232,6 +234,18 @@ pub(crate) fn attend_cached<'a, S: KvStorage>(
         )?;
         Ok(())
     }
+}
+
+/// A layer's activations on a device ([`Layer::run`]), in buffers of type
+/// `B` (f32).
+pub(crate) struct LayerBufs<'a, B> {
+    /// The hidden state `[t, hidden]`, updated in place.
+    pub x: &'a mut B,
+    /// The eight intermediates, resized by the layer: normed `x` `[t,
+    /// hidden]`, q `[t, hq * d]`, k and v `[t, hkv * d]`, attention output
+    /// `[t, hq * d]`, projection `[t, hidden]`, gate and up `[t,
+    /// intermediate]`.
+    pub tmp: &'a mut [B; 8],
 }
 
 /// The rows a layer computes: `t` tokens in runs of consecutive positions,

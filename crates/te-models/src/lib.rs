@@ -2,13 +2,13 @@
 //! files or Hugging Face directories, with their tokenizers, and batched
 //! ragged generation with sampling.
 //!
-//! Main types: [`hub::resolve_model`] (a `--model` argument to files,
+//! Main types: [`source::resolve_model`] (a `--model` argument to files,
 //! fetching known models), [`loader::load_model`], [`model::Model`] (the
 //! forward over one thd step of an `InferenceParams` cache),
-//! [`engine::Engine`] (continuous batching: requests join and leave at any
-//! step, paged KV memory with preemption and prefix sharing),
-//! [`generate::generate`] (a batch run through the engine),
-//! [`tokenizer::Tokenizer`].
+//! [`te_tokenizer::Tokenizer`]. te-engine's `Engine` (continuous batching:
+//! requests join and leave at any step, paged KV memory with preemption
+//! and prefix sharing) and `generate` (a batch run through the engine)
+//! drive the model.
 //!
 //! Invariants: every architecture is a config mapping ([`config`]) and a
 //! weight-name mapping ([`weights`]) onto the one [`layer::Layer`]; a model

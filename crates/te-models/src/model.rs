@@ -4,13 +4,13 @@
 
 use std::sync::{Arc, Mutex};
 
-use te_cache::{CacheLayout, HostKvStorage, InferenceParams, KvStorage};
+use te_cache::{CacheLayout, CacheShape, HostKvStorage, InferenceParams, KvStorage};
 use te_kernels::rope::{RopeFreqs, RopeScaling, RopeTable};
 use te_kernels::DType;
 
 use crate::config::ModelConfig;
-use crate::device::{check_tokens, embed_rows, DeviceOps};
-use crate::layer::{Attend, Layer, Rows, Workspace};
+use crate::device::{check_tokens, DeviceOps};
+use crate::layer::{Attend, Layer, LayerBufs, Qkv, Rows, Workspace};
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
 
@@ -175,17 +175,17 @@ impl Model {
         storage: S,
     ) -> Result<InferenceParams<S>> {
         let c = &self.config;
-        let mut cache = InferenceParams::with_storage(
+        let shape = CacheShape {
             max_batch_size,
             max_seqlen,
-            c.num_hidden_layers,
-            c.num_key_value_heads,
-            c.head_dim,
-            c.head_dim,
-            DType::F32,
+            num_layers: c.num_hidden_layers,
+            num_heads_kv: c.num_key_value_heads,
+            head_dim_k: c.head_dim,
+            head_dim_v: c.head_dim,
+            dtype: DType::F32,
             layout,
-            storage,
-        )?;
+        };
+        let mut cache = InferenceParams::with_storage(shape, storage)?;
         for (layer, window) in c.layer_windows.iter().enumerate() {
             if let Some(w) = *window {
                 cache.set_sliding_window(layer, w, max_step_len)?;
@@ -251,13 +251,16 @@ impl Model {
                 h: &mut ws.h,
                 logits: &mut ws.logits,
             };
+            let input = StepInput {
+                tokens,
+                rows,
+                logit_rows: &ws.rows,
+            };
             self.forward_on(
                 &mut ws.cpu,
                 &self.weights,
                 rope.pair(),
-                tokens,
-                rows,
-                &ws.rows,
+                input,
                 bufs,
                 &mut attend,
             )
@@ -275,48 +278,68 @@ impl Model {
         Ok(&ws.logits)
     }
 
-    /// The model forward on device `dev`, written once for every device:
-    /// embedding of `tokens: [t]` into `bufs.x: [t, hidden]`, every layer
-    /// (`attend` saves K/V and attends), then the rows `logit_rows` of the
-    /// hidden state into `bufs.h: [n, hidden]` and [`head_on`](Self::head_on)
-    /// into `bufs.logits: [n, vocab]`. `ropes` are the global and the local
-    /// layers' tables (the same table twice when they agree).
-    #[allow(clippy::too_many_arguments)]
+    /// The model forward on device `dev` for a device that holds the whole
+    /// step: [`run_on`](Self::run_on) of `input` with `attend` (saves K/V
+    /// and attends) and the rows `input.logit_rows` of the final hidden
+    /// state. `ropes` are the global and the local layers' tables (the same
+    /// table twice when they agree).
     pub(crate) fn forward_on<D: DeviceOps>(
         &self,
         dev: &mut D,
         w: &ModelWeights<D::Linear, D::Vector>,
         ropes: [&D::Rope; 2],
-        tokens: &[u32],
-        rows: Rows<'_>,
-        logit_rows: &[usize],
+        input: StepInput<'_>,
         bufs: ModelBufs<'_, D::Buf>,
         attend: &mut Attend<'_, D>,
     ) -> Result<()> {
+        let params = DeviceParams { weights: w, ropes };
+        let mut step = WholeStep {
+            attend,
+            rows: input.logit_rows,
+        };
+        self.run_on(dev, params, input.tokens, input.rows, bufs, &mut step)
+    }
+
+    /// The model loop, written once for every device and for a
+    /// context-parallel rank: embedding of `tokens: [t]` into `bufs.x: [t,
+    /// hidden]`, every layer at `rows`' positions (`step.attend` saves K/V
+    /// and attends), then `step.gather_logit_rows` of the final hidden
+    /// state into `bufs.h: [n, hidden]` and [`head_on`](Self::head_on)
+    /// into `bufs.logits: [n, vocab]`.
+    pub(crate) fn run_on<D: DeviceOps>(
+        &self,
+        dev: &mut D,
+        params: DeviceParams<'_, D>,
+        tokens: &[u32],
+        rows: Rows<'_>,
+        bufs: ModelBufs<'_, D::Buf>,
+        step: &mut impl StepOps<D>,
+    ) -> Result<()> {
         let c = &self.config;
+        let w = params.weights;
         let (t, hidden) = (tokens.len(), c.hidden_size);
         check_tokens(tokens, c.vocab_size)?;
         let x = bufs.x; // [t, hidden]
         dev.resize(x, t * hidden)?;
         dev.embed(&w.embed_tokens, tokens, self.embed_scale(), x)?;
         for (layer, lw) in self.layers.iter().zip(&w.layers) {
-            let rope = ropes[layer.rope_slot()];
-            layer.run(dev, lw, x, rows, rope, bufs.layer, attend)?;
+            let rope = params.ropes[layer.rope_slot()];
+            let attend = &mut |l: &Layer, dev: &mut D, qkv: Qkv<'_, D::Buf>, out: &mut D::Buf| {
+                step.attend(l, dev, qkv, out)
+            };
+            let layer_bufs = LayerBufs {
+                x: &mut *x,
+                tmp: &mut *bufs.layer,
+            };
+            layer.run(dev, lw, layer_bufs, rows, rope, attend)?;
         }
         // Rows that get logits: [n, hidden].
-        dev.resize(bufs.h, logit_rows.len() * hidden)?;
-        dev.gather_rows(x, logit_rows, hidden, bufs.h)?;
+        step.gather_logit_rows(dev, x, hidden, bufs.h)?;
         self.head_on(dev, w, bufs.h, bufs.logits)
     }
 
-    /// Final norm, output projection and final softcap on the CPU:
-    /// `ws.h: [n, hidden]` (normed in place) -> `ws.logits: [n, vocab]`.
-    pub(crate) fn head(&self, ws: &mut Workspace) -> Result<()> {
-        self.head_on(&mut ws.cpu, &self.weights, &mut ws.h, &mut ws.logits)
-    }
-
-    /// [`head`](Self::head) on device `dev`: `h: [n, hidden]` (normed in
-    /// place) -> `logits: [n, vocab]`.
+    /// Final norm, output projection and final softcap on device `dev`:
+    /// `h: [n, hidden]` (normed in place) -> `logits: [n, vocab]`.
     pub(crate) fn head_on<D: DeviceOps>(
         &self,
         dev: &mut D,
@@ -345,13 +368,82 @@ impl Model {
             1.0
         }
     }
+}
 
-    /// `tokens: [t]` -> `x: [t, hidden]`, times sqrt(hidden_size) for Gemma
-    /// (rounded to the activation dtype, f32 here).
-    pub(crate) fn embed(&self, tokens: &[u32], x: &mut [f32]) -> Result<()> {
-        check_tokens(tokens, self.config.vocab_size)?;
-        embed_rows(&self.weights.embed_tokens, tokens, self.embed_scale(), x);
-        Ok(())
+/// What one forward pass on a device computes (`Model::forward_on`): the
+/// step's tokens, their rows' positions, and which rows get logits.
+#[derive(Clone, Copy)]
+pub(crate) struct StepInput<'a> {
+    /// `[t]` token ids in thd order (sequence after sequence).
+    pub tokens: &'a [u32],
+    /// The RoPE runs of the `t` rows (`rows.t == tokens.len()`).
+    pub rows: Rows<'a>,
+    /// `[n]` rows of the hidden state that get logits, in output order
+    /// (see [`logit_rows`]).
+    pub logit_rows: &'a [usize],
+}
+
+/// The model's parameters on device `D`: its weights and the global and
+/// the local layers' RoPE tables (the same table twice when they agree).
+pub(crate) struct DeviceParams<'a, D: DeviceOps> {
+    pub weights: &'a ModelWeights<D::Linear, D::Vector>,
+    pub ropes: [&'a D::Rope; 2],
+}
+
+/// What a step does beyond the model's own ops, where its tokens and KV
+/// cache live: the one place a device holding the whole step
+/// ([`Model::forward_on`]) and a context-parallel rank
+/// ([`crate::context_parallel`]) differ in the model loop
+/// ([`Model::run_on`]).
+pub(crate) trait StepOps<D: DeviceOps> {
+    /// A layer's `attend` ([`Layer::run`]): saves its K/V and writes its
+    /// attention output `out: [t, hq * d]` of the rotated `qkv`.
+    fn attend(
+        &mut self,
+        layer: &Layer,
+        dev: &mut D,
+        qkv: Qkv<'_, D::Buf>,
+        out: &mut D::Buf,
+    ) -> Result<()>;
+
+    /// The rows of the final hidden state `x: [t, hidden]` that get
+    /// logits, into `h: [n, hidden]` (sized here).
+    fn gather_logit_rows(
+        &mut self,
+        dev: &mut D,
+        x: &D::Buf,
+        hidden: usize,
+        h: &mut D::Buf,
+    ) -> Result<()>;
+}
+
+/// The [`StepOps`] of a device that holds the whole step: the caller's
+/// `attend` and the hidden state's rows `rows`.
+struct WholeStep<'a, 'b, D: DeviceOps> {
+    attend: &'a mut Attend<'b, D>,
+    rows: &'a [usize],
+}
+
+impl<D: DeviceOps> StepOps<D> for WholeStep<'_, '_, D> {
+    fn attend(
+        &mut self,
+        layer: &Layer,
+        dev: &mut D,
+        qkv: Qkv<'_, D::Buf>,
+        out: &mut D::Buf,
+    ) -> Result<()> {
+        (self.attend)(layer, dev, qkv, out)
+    }
+
+    fn gather_logit_rows(
+        &mut self,
+        dev: &mut D,
+        x: &D::Buf,
+        hidden: usize,
+        h: &mut D::Buf,
+    ) -> Result<()> {
+        dev.resize(h, self.rows.len() * hidden)?;
+        dev.gather_rows(x, self.rows, hidden, h)
     }
 }
 

@@ -21,7 +21,7 @@
 //!
 //! Byte ranges are checked where the files are opened: GGUF tensor data
 //! must be in bounds, aligned and each tensor must start at the aligned end
-//! of the previous one (so ranges are disjoint; [`crate::gguf`]);
+//! of the previous one (so ranges are disjoint; [`te_formats::gguf`]);
 //! safetensors headers are checked the same way by the `safetensors`
 //! crate (contiguous, in bounds, sizes matching dtype and shape).
 //!

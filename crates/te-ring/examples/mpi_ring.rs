@@ -17,7 +17,7 @@
 use std::process::ExitCode;
 
 use half::bf16;
-use te_attention::{AttnMaskType, AttnMetadata, DotProductAttention, KvInput};
+use te_attention::{AttnMaskType, AttnMetadata, AttnOutput, DotProductAttention, KvInput};
 use te_kernels::{Element, QkvFormat};
 use te_ring::{
     agree, all_gather, all_merge, all_reduce_min, Communicator, MpiComm, RingAttention, Zigzag,
@@ -136,7 +136,11 @@ fn ring_forward<T: Element>(comm: &mut MpiComm, tol: f32) -> Check {
     let (q, k, v) = (q.map_err(s)?, k.map_err(s)?, v.map_err(s)?);
     let mut out = vec![f32::NAN; q.len()];
     let ring = RingAttention::new(attn).map_err(s)?;
-    ring.forward_cpu(comm, &seqlens, &q, &k, &v, &mut out, None)
+    let output = AttnOutput {
+        out: &mut out,
+        lse: None,
+    };
+    ring.forward_cpu(comm, &seqlens, &q, &k, &v, output)
         .map_err(s)?;
     let shards = all_gather(comm, "ring_out", &[], &out).map_err(s)?;
     let shards: Vec<&[f32]> = shards.iter().map(Vec::as_slice).collect();

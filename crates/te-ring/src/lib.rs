@@ -16,6 +16,9 @@
 //! `NcclComm` (feature `nccl`, compile-checked only) for GPUs. The
 //! [`collective`] module adds [`all_gather()`], [`all_reduce_min()`] and
 //! [`agree()`] (check that every rank runs the same settings).
+//! [`Placement`] is the bookkeeping of generation under context
+//! parallelism: which rank computes and stores each new token (zigzag for
+//! prompt chunks, the least-loaded rank for a decode token).
 //!
 //! Every rank makes the same calls in the same order with the same
 //! `seqlens` and configuration; blocks are tagged with their call, so a
@@ -26,7 +29,7 @@
 //! unusable and must be rebuilt.
 //!
 //! ```
-//! use te_attention::{AttnMaskType, DotProductAttention};
+//! use te_attention::{AttnMaskType, AttnOutput, DotProductAttention};
 //! use te_ring::{Communicator, RingAttention, RingError, ThreadComm, Zigzag};
 //!
 //! let (h, d, seqlens, cp) = (2, 8, [10usize, 3], 2);
@@ -47,7 +50,8 @@
 //!             s.spawn(move || {
 //!                 let x = z.shard(full, h * d, &seqlens, comm.cp_rank())?;
 //!                 let mut out = vec![0f32; x.len()];
-//!                 ring.forward_cpu(&mut comm, &seqlens, &x, &x, &x, &mut out, None)?;
+//!                 let output = AttnOutput { out: &mut out, lse: None };
+//!                 ring.forward_cpu(&mut comm, &seqlens, &x, &x, &x, output)?;
 //!                 Ok(out)
 //!             })
 //!         })
@@ -71,6 +75,7 @@ pub mod layout;
 pub mod mpi_comm;
 #[cfg(feature = "nccl")]
 pub mod nccl_comm;
+pub mod placement;
 pub mod ring;
 
 pub use all_merge::all_merge;
@@ -82,4 +87,5 @@ pub use layout::Zigzag;
 pub use mpi_comm::MpiComm;
 #[cfg(feature = "nccl")]
 pub use nccl_comm::NcclComm;
+pub use placement::{Placed, Placement};
 pub use ring::RingAttention;

@@ -14,7 +14,7 @@
 //! entirely in the future (skipped without computing).
 
 use te_attention::{
-    merge_partial, merge_row, AttnMaskType, AttnMetadata, DotProductAttention, KvInput,
+    merge_partial, merge_row, AttnMaskType, AttnMetadata, AttnOutput, DotProductAttention, KvInput,
 };
 use te_kernels::{Element, QkvFormat};
 
@@ -107,9 +107,9 @@ impl RingAttention {
     /// - `q`: `[t, h_q, d_qk]`, `k`: `[t, h_kv, d_qk]`, `v`: `[t, h_kv,
     ///   d_v]`: this rank's zigzag shard (thd, `t` = the sum of
     ///   [`Zigzag::local_cu_seqlens`]).
-    /// - `out`: `[t, h_q, d_v]`; `lse`: optional `[h_q, t]` f32, natural
-    ///   log, -inf where a query sees no key ([`Zigzag::unshard_lse`]
-    ///   reassembles the full `[h_q, total]`).
+    /// - `output`: `out: [t, h_q, d_v]`; `lse`: optional `[h_q, t]` f32,
+    ///   natural log, -inf where a query sees no key
+    ///   ([`Zigzag::unshard_lse`] reassembles the full `[h_q, total]`).
     ///
     /// Results equal single-rank attention over the full sequences (f32:
     /// within rounding of the merge).
@@ -131,10 +131,9 @@ impl RingAttention {
         q: &[T],
         k: &[T],
         v: &[T],
-        out: &mut [O],
-        lse: Option<&mut [f32]>,
+        output: AttnOutput<'_, O>,
     ) -> Result<(), RingError> {
-        let result = self.forward_inner(comm, seqlens, q, k, v, out, lse);
+        let result = self.forward_inner(comm, seqlens, q, k, v, output);
         abort_on_error(comm, result)
     }
 
@@ -167,8 +166,7 @@ impl RingAttention {
         q: &[T],
         k: &[T],
         v: &[T],
-        out: &mut [O],
-        lse: Option<&mut [f32]>,
+        AttnOutput { out, lse }: AttnOutput<'_, O>,
     ) -> Result<(), RingError> {
         let a = &self.attn;
         let (hq, hkv, dqk, dv) = (

@@ -5,7 +5,7 @@ use half::bf16;
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use te_attention::{AttnMaskType, DotProductAttention};
+use te_attention::{AttnMaskType, AttnOutput, DotProductAttention};
 use te_kernels::Element;
 use te_ring::{Communicator, RingAttention, RingError, ThreadComm, Zigzag};
 
@@ -143,7 +143,11 @@ impl Case {
                         // Poisoned outputs: every element must be written.
                         let mut out = vec![O::from_f32(f32::NAN); t * hq * dv];
                         let mut lse = vec![f32::NAN; hq * t];
-                        ring.forward_cpu(&mut comm, seqlens, &q, &k, &v, &mut out, Some(&mut lse))
+                        let output = AttnOutput {
+                            out: &mut out,
+                            lse: Some(&mut lse),
+                        };
+                        ring.forward_cpu(&mut comm, seqlens, &q, &k, &v, output)
                             .unwrap();
                         // lse [h, t] -> [t, h] so it shards like a tensor.
                         let lse_th = (0..t * hq).map(|x| lse[(x % hq) * t + x / hq]).collect();
@@ -350,7 +354,17 @@ fn run_ranks(
                     let x: Vec<f32> = (0..t * 8).map(|i| (i % 5) as f32 / 5.0).collect();
                     let mut out = vec![0f32; t * 8];
                     let res = ring
-                        .forward_cpu(&mut comm, &seqlens[r], &x, &x, &x, &mut out, None)
+                        .forward_cpu(
+                            &mut comm,
+                            &seqlens[r],
+                            &x,
+                            &x,
+                            &x,
+                            AttnOutput {
+                                out: &mut out,
+                                lse: None,
+                            },
+                        )
                         .map(|()| out);
                     (comm, res)
                 })

@@ -9,7 +9,7 @@
 //! event: a client that goes away frees its sequence at the engine's next
 //! step.
 
-use te_engine::engine::{EngineHandle, Event, Request, RequestError, RequestId};
+use te_engine::{EngineHandle, Event, Request, RequestError, RequestId};
 use tokio::sync::{mpsc, oneshot};
 
 /// Why a request did not start.

@@ -11,7 +11,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use te_engine::engine::{Event, FinishReason, Request, RequestError, Usage};
+use te_engine::{Event, FinishReason, Request, RequestError, Usage};
 use tokio::sync::mpsc;
 
 use super::api::{self, Endpoint, GenerationRequest, Input, Prompt};

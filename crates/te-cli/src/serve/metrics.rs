@@ -18,7 +18,7 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use te_engine::engine::EngineSnapshot;
+use te_engine::EngineSnapshot;
 
 /// Upper bounds of the time-to-first-token buckets, seconds.
 const TTFT_BOUNDS: &[f64] = &[

@@ -37,10 +37,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use te_engine::engine::{channel, Engine, EngineConfig};
+use te_engine::{channel, Engine, EngineConfig};
 use tokio::sync::watch;
 
-use state::AppState;
+use state::{AppState, ServeSettings};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -158,15 +158,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     let (cancel_tx, cancel_rx) = watch::channel(false);
+    let settings = ServeSettings {
+        model_name: args
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| args.model.clone()),
+        api_key: args.api_key.clone(),
+        max_concurrent_requests: args.max_concurrent_requests,
+        max_body_bytes: args.max_body_bytes,
+    };
     let state = Arc::new(AppState::new(
         handle,
         loaded.clone(),
-        args.served_model_name
-            .clone()
-            .unwrap_or_else(|| args.model.clone()),
-        args.api_key.clone(),
-        args.max_concurrent_requests,
-        args.max_body_bytes,
+        settings,
         cancel_rx,
         engine_alive,
     ));

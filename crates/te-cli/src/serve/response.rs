@@ -2,7 +2,7 @@
 //! objects, their streamed chunks (`chat.completion.chunk`), and `usage`.
 
 use serde_json::{json, Value};
-use te_engine::engine::{FinishReason, Usage};
+use te_engine::{FinishReason, Usage};
 
 use super::api::Endpoint;
 

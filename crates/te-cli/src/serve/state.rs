@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use te_engine::engine::EngineHandle;
+use te_engine::EngineHandle;
 use te_models::loader::LoadedModel;
 use tokio::sync::watch;
 
@@ -39,18 +39,36 @@ pub struct AppState {
     random: RandomState,
 }
 
+/// The server's settings from the command line, as [`AppState::new`]
+/// takes them.
+pub struct ServeSettings {
+    /// The id clients name in `model` (`--served-model-name`, or `--model`).
+    pub model_name: String,
+    /// `--api-key`: the bearer token every endpoint but /health and the
+    /// chat page's files requires, if any.
+    pub api_key: Option<String>,
+    /// `--max-concurrent-requests`: generation requests held at once
+    /// (queued, running or streaming).
+    pub max_concurrent_requests: u64,
+    /// `--max-body-bytes`: the largest request body, in bytes.
+    pub max_body_bytes: usize,
+}
+
 impl AppState {
     /// A new state (not shutting down).
     pub fn new(
         handle: EngineHandle,
         loaded: Arc<LoadedModel>,
-        model_name: String,
-        api_key: Option<String>,
-        max_concurrent_requests: u64,
-        max_body_bytes: usize,
+        settings: ServeSettings,
         cancel: watch::Receiver<bool>,
         engine_alive: Arc<AtomicBool>,
     ) -> Self {
+        let ServeSettings {
+            model_name,
+            api_key,
+            max_concurrent_requests,
+            max_body_bytes,
+        } = settings;
         AppState {
             context_tokens: loaded.model.config.max_position_embeddings,
             handle,

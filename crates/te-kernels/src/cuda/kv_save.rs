@@ -11,7 +11,7 @@ use crate::{ConvertArgs, KernelError, KvCacheLayout, KvStep};
 /// `kernels/kv_cache.cu`.
 pub const KV_CACHE_CU: KernelSource = KernelSource {
     name: "kv_cache.cu",
-    text: include_str!("../../../../kernels/kv_cache.cu"),
+    text: include_str!("../../kernels/kv_cache.cu"),
 };
 
 /// Threads per block of `kv_save_*` and the thd<->bshd conversions.

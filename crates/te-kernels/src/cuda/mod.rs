@@ -2,7 +2,9 @@
 //! (the crate builds and runs without CUDA installed; [`gpu_available`] says
 //! whether a GPU can be used).
 //!
-//! Kernel sources live in `kernels/*.cu`, are embedded with `include_str!`,
+//! Kernel sources live in the crate's `kernels/` (`rope.cu`, `kv_cache.cu`,
+//! and `common.cuh`, which the kernels of te-attention and te-models include
+//! too, through [`KernelSource::resolved`]), are embedded with `include_str!`,
 //! and are compiled by NVRTC for the device's architecture once per process
 //! (cached PTX) and loaded once per [`CudaDevice`]. Every op validates its
 //! arguments on the host with the same checks as its CPU twin, then makes one

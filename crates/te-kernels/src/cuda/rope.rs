@@ -11,7 +11,7 @@ use crate::{KernelError, QkvFormat, RopeArgs, RopeConvention, RopeTable};
 /// `kernels/rope.cu`.
 pub const ROPE_CU: KernelSource = KernelSource {
     name: "rope.cu",
-    text: include_str!("../../../../kernels/rope.cu"),
+    text: include_str!("../../kernels/rope.cu"),
 };
 
 /// Threads per block of `rope_fwd_*`.

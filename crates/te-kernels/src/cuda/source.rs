@@ -1,11 +1,14 @@
-//! Kernel sources: a `kernels/*.cu` file with `common.cuh` resolved
-//! ([`KernelSource`]) and its NVRTC compilation to PTX ([`compile_ptx`]).
+//! Kernel sources: a `kernels/*.cu` file of the crate that launches it
+//! (te-kernels, te-attention, te-models), with te-kernels'
+//! `kernels/common.cuh` resolved ([`KernelSource`]), and its NVRTC
+//! compilation to PTX ([`compile_ptx`]).
 
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use crate::KernelError;
 
-/// A kernel source file of `kernels/`, with `#include "common.cuh"` resolved.
+/// A kernel source file (`kernels/*.cu` of the crate that launches it,
+/// embedded with `include_str!`), with `#include "common.cuh"` resolved.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct KernelSource {
     /// File name, e.g. `rope.cu` (also the NVRTC program name).
@@ -14,8 +17,9 @@ pub struct KernelSource {
     pub text: &'static str,
 }
 
-/// `kernels/common.cuh`: storage types and conversions shared by all kernels.
-pub const COMMON_CUH: &str = include_str!("../../../../kernels/common.cuh");
+/// te-kernels' `kernels/common.cuh`: storage types and conversions shared
+/// by the kernels of every crate.
+pub const COMMON_CUH: &str = include_str!("../../kernels/common.cuh");
 
 impl KernelSource {
     /// The source with `#include "common.cuh"` replaced by [`COMMON_CUH`]

@@ -125,7 +125,7 @@ impl GgmlType {
         })
     }
 
-    /// Whether [`dequantize`] supports this type.
+    /// Whether [`dequantize`](super::dequantize) supports this type.
     pub fn can_dequantize(self) -> bool {
         use GgmlType::*;
         matches!(

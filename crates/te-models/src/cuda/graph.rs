@@ -59,25 +59,38 @@ pub(crate) struct GraphStep {
     failed: bool,
 }
 
-/// Runs the decode step of `tokens` padded to `bucket` on that bucket's
-/// buffers in `graphs`: replays its graph, or runs plainly and captures.
-/// Returns the buffers holding the outputs (rows past the real batch are
-/// padding).
+/// One decode step as [`step`] runs it.
+pub(crate) struct DecodeStep<'a> {
+    /// `[b]` token ids, one per sequence, in the plan's batch order.
+    pub tokens: &'a [u32],
+    /// The device cache the step was planned in.
+    pub cache: &'a mut InferenceParams<KvStore>,
+    /// The step `cache.pre_step` planned.
+    pub plan: &'a StepPlan,
+    /// End with each sequence's argmax (ids) instead of at the logits.
+    pub greedy: bool,
+}
+
+/// Runs the decode `step` padded to `bucket` on that bucket's buffers in
+/// `graphs`: replays its graph, or runs plainly and captures. Returns the
+/// buffers holding the outputs (rows past the real batch are padding).
 ///
 /// Errors: CUDA errors of the plan upload, the launches or the replay (a
 /// failed capture is not an error).
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn step<'g>(
     model: &Model,
     cm: &CudaModel,
     cuda: &mut Cuda,
     graphs: &'g mut Vec<GraphStep>,
     bucket: usize,
-    tokens: &[u32],
-    cache: &mut InferenceParams<KvStore>,
-    plan: &StepPlan,
-    greedy: bool,
+    step: DecodeStep<'_>,
 ) -> Result<&'g mut StepBufs> {
+    let DecodeStep {
+        tokens,
+        cache,
+        plan,
+        greedy,
+    } = step;
     let i = match graphs.iter().position(|g| g.bucket == bucket) {
         Some(i) => i,
         None => {

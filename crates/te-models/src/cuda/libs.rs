@@ -27,7 +27,7 @@ pub(crate) fn load_cublas(stream: &Arc<CudaStream>) -> Option<CudaBlas> {
     let present = std::panic::catch_unwind(|| unsafe { cudarc::cublas::sys::is_culib_present() });
     if !matches!(present, Ok(true)) {
         eprintln!(
-            "note: libcublas not found on LD_LIBRARY_PATH: the products run on te-rs' GEMM kernel (kernels/gemm.cu)"
+            "note: libcublas not found on LD_LIBRARY_PATH: the products run on te-rs' GEMM kernel (crates/te-models/kernels/gemm.cu)"
         );
         return None;
     }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
+use te_attention::cuda::CudaAttnBuffers;
 use te_cache::InferenceParams;
 use te_formats::WeightData;
 use te_kernels::cuda::{save_kv_cuda_planned, CudaRopeTable};
@@ -16,7 +17,7 @@ use super::ops::{Cuda, CudaLinear, GemmBackend};
 use super::plan::DevicePlan;
 use super::storage::KvStore;
 use crate::layer::{Layer, Qkv, Rows};
-use crate::model::{Model, ModelBufs, RopeTables};
+use crate::model::{Model, ModelBufs, RopeTables, StepInput};
 use crate::ops::Linear;
 use crate::weights::ModelWeights;
 use crate::{ModelError, Result};
@@ -191,6 +192,11 @@ impl CudaModel {
                  dev: &mut Cuda,
                  qkv: Qkv<'_, CudaSlice<f32>>,
                  out: &mut CudaSlice<f32>| { attend_cuda(l, dev, cache, qkv, out) };
+            let input = StepInput {
+                tokens: &bufs.tokens,
+                rows,
+                logit_rows: &bufs.rows,
+            };
             model.forward_on(
                 &mut *cuda,
                 &self.weights,
@@ -198,9 +204,7 @@ impl CudaModel {
                     &self.rope_global,
                     self.rope_local.as_ref().unwrap_or(&self.rope_global),
                 ],
-                &bufs.tokens,
-                rows,
-                &bufs.rows,
+                input,
                 ModelBufs {
                     layer: &mut layer,
                     x: &mut x,
@@ -282,18 +286,15 @@ fn attend_cuda(
         let (save, pairs, attn) = plan.layer(layer.index)?;
         save_kv_cuda_planned(d, save, &pairs, qkv.k, qkv.v, k_cache, v_cache)?;
         if let Some((launch, meta)) = attn {
-            let (q, k, v) = (qkv.q.slice(..), k_cache.slice(..), v_cache.slice(..));
-            let mut o = out.slice_mut(..);
-            layer.attention.launch_cuda(
-                d,
-                launch,
-                &meta,
-                &q,
-                [&k, &v],
-                &mut o,
-                None,
-                &mut scratch,
-            )?;
+            let bufs = CudaAttnBuffers {
+                meta,
+                q: qkv.q.slice(..),
+                k: k_cache.slice(..),
+                v: v_cache.slice(..),
+                out: out.slice_mut(..),
+                lse: None,
+            };
+            layer.attention.launch_cuda(d, launch, bufs, &mut scratch)?;
         }
         Ok(())
     })();

@@ -29,12 +29,12 @@ use crate::{ModelError, Result};
 /// `kernels/model_ops.cu`.
 pub const MODEL_OPS_CU: KernelSource = KernelSource {
     name: "model_ops.cu",
-    text: include_str!("../../../../kernels/model_ops.cu"),
+    text: include_str!("../../kernels/model_ops.cu"),
 };
 /// `kernels/gemm.cu`.
 pub const GEMM_CU: KernelSource = KernelSource {
     name: "gemm.cu",
-    text: include_str!("../../../../kernels/gemm.cu"),
+    text: include_str!("../../kernels/gemm.cu"),
 };
 
 /// Threads per block of every `model_ops.cu` kernel (`OPS_THREADS`).

@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
-use te_attention::cuda::{CudaAttnLaunch, CudaAttnScratch, CudaKvInput};
+use te_attention::cuda::{CudaAttnLaunch, CudaAttnLens, CudaAttnScratch, CudaKvInput};
 use te_attention::AttnMetadata;
 use te_cache::{InferenceParams, StepPlan};
 use te_kernels::cuda::{CudaDevice, KvSavePlan};
@@ -245,15 +245,14 @@ impl DevicePlan {
                 v_cache: v_cache.slice(..),
                 layout: padded,
             };
-            let attn = layer.attention.prepare_cuda(
-                dev,
-                t * hq * d,
-                &kv,
-                &meta,
-                t * hq * d,
-                None,
-                splits,
-            )?;
+            let lens = CudaAttnLens {
+                q: t * hq * d,
+                out: t * hq * d,
+                lse: None,
+            };
+            let attn = layer
+                .attention
+                .prepare_cuda(dev, lens, &kv, &meta, splits)?;
             let (pairs_at, meta_at) = (self.u64s.len(), self.i64s.len());
             self.u64s.extend_from_slice(save.pairs());
             if let Some(a) = &attn {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use te_cache::InferenceParams;
 
-use super::graph::{self, GraphStep};
+use super::graph::{self, DecodeStep, GraphStep};
 use super::model::{no_output, CudaModel, StepBufs};
 use super::storage::KvStore;
 use crate::model::{Model, StepOutput};
@@ -81,17 +81,15 @@ impl CudaRunner {
         let cw = &mut self.ws;
         let bucket = graph::bucket(b).filter(|_| cm.graphs && t == b);
         let bufs = match bucket {
-            Some(bucket) => graph::step(
-                model,
-                cm,
-                &mut cuda,
-                &mut cw.graphs,
-                bucket,
-                tokens,
-                cache,
-                &plan,
-                greedy,
-            )?,
+            Some(bucket) => {
+                let step = DecodeStep {
+                    tokens,
+                    cache,
+                    plan: &plan,
+                    greedy,
+                };
+                graph::step(model, cm, &mut cuda, &mut cw.graphs, bucket, step)?
+            }
             None => {
                 let bufs = &mut cw.plain;
                 let dp = bufs.plan.get_or_insert_with(Default::default);
