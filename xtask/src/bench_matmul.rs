@@ -1,4 +1,4 @@
-//! Quantized matrix products (`Linear::forward_into`, te-models'
+//! Quantized matrix products (`Linear::forward_into`, te-kernels'
 //! `matmul` kernel) against same-run baselines.
 //!
 //! Decode (`t` = 1): bytes of weights read per second against the read

@@ -514,15 +514,11 @@ impl<'a> Engine<'a> {
             .iter()
             .all(|s| s.data.sampler.is_plain_greedy());
         let (cache, cp) = self.sched.cache_and_rank();
-        let forward = match (cp, self.runner.cpu_workspace()) {
-            (Some(cp), Some(ws)) => self
-                .model
-                .forward_context_parallel(&tokens, cache, cp, ws)
-                .map(StepOutput::Logits),
-            (Some(_), None) => {
-                return Err(EngineError::ContextParallelOnGpu);
-            }
-            (None, _) => self.runner.step(self.model, &tokens, cache, greedy),
+        let forward = match cp {
+            Some(cp) => self
+                .runner
+                .step_context_parallel(self.model, &tokens, cache, cp),
+            None => self.runner.step(self.model, &tokens, cache, greedy),
         };
         let out = match forward {
             Ok(l) => l,

@@ -210,7 +210,7 @@ impl StepRows {
 
 /// A te-ring error as a model error.
 fn ring_error(e: te_ring::RingError) -> ModelError {
-    ModelError::Request(format!("context parallelism: {e}"))
+    ModelError::ContextParallel(e)
 }
 
 /// A communication error on `cp_rank`.
@@ -256,10 +256,11 @@ impl Model {
         let step = cp.placement.step();
         let t_full: usize = step.iter().map(Placed::len).sum();
         if tokens.len() != t_full {
-            return Err(ModelError::Request(format!(
-                "context-parallel forward: {} tokens given, the placed step has {t_full}",
-                tokens.len()
-            )));
+            return Err(ModelError::StepTokens {
+                op: "context-parallel forward",
+                given: tokens.len(),
+                planned: t_full,
+            });
         }
         // Every rank runs the same step: sequences, lengths and tokens.
         let words: Vec<u64> = step

@@ -5,7 +5,8 @@
 //! row-major, `[rows, width]`), its weight matrix and vector types and its
 //! RoPE table, and implements each op on them. [`Cpu`] is the host: every
 //! op calls the function the CPU forward has always called
-//! ([`crate::ops`], [`te_kernels::activation`], te-kernels' `apply_rope_cpu`),
+//! ([`crate::ops`]; te-kernels' `norm`, [`te_kernels::activation`] and
+//! `apply_rope_cpu`),
 //! in the same order as the CPU forward before device ops existed. The CUDA device
 //! is `crate::cuda::Cuda` (bf16 weights, f32 activations).
 //!
@@ -208,9 +209,10 @@ impl DeviceOps for Cpu {
 /// op runs).
 pub(crate) fn check_tokens(tokens: &[u32], vocab: usize) -> Result<()> {
     match tokens.iter().find(|&&t| t as usize >= vocab) {
-        Some(tok) => Err(ModelError::Request(format!(
-            "token id {tok} is outside the vocabulary of {vocab} tokens"
-        ))),
+        Some(tok) => Err(ModelError::TokenOutOfVocabulary {
+            token: *tok,
+            vocab_size: vocab,
+        }),
         None => Ok(()),
     }
 }

@@ -45,9 +45,32 @@ pub enum ModelError {
     /// Resolving or fetching a model failed.
     #[error("model `{model}`: {reason}")]
     Resolve { model: String, reason: String },
-    /// A generation request is invalid (empty prompt, too long, ...).
+    /// A token id outside the model's vocabulary.
+    #[error("token id {token} is outside the vocabulary of {vocab_size} tokens")]
+    TokenOutOfVocabulary { token: u32, vocab_size: usize },
+    /// `op` ran with no step planned in the cache (`pre_step` first).
+    #[error("{op}: no step planned (call pre_step first)")]
+    NoStepPlanned { op: &'static str },
+    /// `op` was given `given` tokens for a step planned with `planned`.
+    #[error("{op}: {given} tokens given, the planned step has {planned}")]
+    StepTokens {
+        op: &'static str,
+        given: usize,
+        planned: usize,
+    },
+    /// A lock shared between threads (named) was poisoned by a panic.
+    #[error("the {0} lock is poisoned")]
+    Poisoned(&'static str),
+    /// A `--device` value that names no device.
+    #[error("--device `{0}`: expected cpu, cuda, cuda:N or auto")]
+    UnknownDevice(String),
+    /// Text or chat messages that cannot be encoded as asked (a model
+    /// without a chat template, ...).
     #[error("{0}")]
-    Request(String),
+    Input(String),
+    /// A rank of a context-parallel group failed or disagreed.
+    #[error("context parallelism: {0}")]
+    ContextParallel(te_ring::RingError),
     /// An op below (kernel, attention, cache) rejected its arguments.
     #[error(transparent)]
     Kernel(#[from] te_kernels::KernelError),
@@ -108,7 +131,7 @@ impl From<te_tokenizer::TokenizerError> for ModelError {
             T::Format { path, reason } => ModelError::Format { path, reason },
             T::Config { field, reason } => ModelError::Config { field, reason },
             T::Tokenizer(reason) => ModelError::Tokenizer(reason),
-            T::Input(reason) => ModelError::Request(reason),
+            T::Input(reason) => ModelError::Input(reason),
         }
     }
 }

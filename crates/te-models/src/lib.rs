@@ -1,17 +1,17 @@
-//! te-models: Llama and Gemma (1/2/3) models for te-rs, loaded from GGUF
-//! files or Hugging Face directories, with their tokenizers, and batched
-//! ragged generation with sampling.
+//! te-models: the model definition of te-rs: the families (Llama, Gemma
+//! 1/2/3; [`family`], one file each), their configs, weights and
+//! validation, the one transformer layer over device ops, and the
+//! per-device step ([`runner`]: CPU, CUDA, context-parallel rank).
 //!
 //! Main types: [`source::resolve_model`] (a `--model` argument to files,
 //! fetching known models), [`loader::load_model`], [`model::Model`] (the
 //! forward over one thd step of an `InferenceParams` cache),
-//! [`te_tokenizer::Tokenizer`]. te-engine's `Engine` (continuous batching:
-//! requests join and leave at any step, paged KV memory with preemption
-//! and prefix sharing) and `generate` (a batch run through the engine)
-//! drive the model.
+//! [`runner::Runner`] (where the steps run). te-engine's `Engine` drives
+//! the model.
 //!
-//! Invariants: every architecture is a config mapping ([`config`]) and a
-//! weight-name mapping ([`weights`]) onto the one [`layer::Layer`]; a model
+//! Invariants: every architecture is one [`family`] file mapped onto the
+//! one [`layer::Layer`] (config and tensor names); `Model` and
+//! `Workspace` name no device type; a model
 //! loads only after [`validate`] found its config, tensors, metadata and
 //! tokenizer consistent (no tensor missing, misshapen or left unused);
 //! GGUF block-quantized weights stay as stored (read in place from the

@@ -140,7 +140,7 @@ impl Model {
         let mut rope = self
             .rope
             .lock()
-            .map_err(|_| ModelError::Request("the RoPE tables' lock is poisoned".into()))?;
+            .map_err(|_| ModelError::Poisoned("RoPE tables'"))?;
         let cap = self.config.max_position_embeddings;
         let have = rope.positions();
         if positions > have && have < cap {
@@ -226,15 +226,16 @@ impl Model {
         logits: Logits,
         ws: &'w mut Workspace,
     ) -> Result<&'w [f32]> {
-        let plan = cache.plan().ok_or_else(|| {
-            ModelError::Request("forward: no step planned (call pre_step first)".into())
-        })?;
+        let plan = cache
+            .plan()
+            .ok_or(ModelError::NoStepPlanned { op: "forward" })?;
         let t = tokens.len();
         if plan.num_tokens() != t {
-            return Err(ModelError::Request(format!(
-                "forward: {t} tokens given, the planned step has {}",
-                plan.num_tokens()
-            )));
+            return Err(ModelError::StepTokens {
+                op: "forward",
+                given: t,
+                planned: plan.num_tokens(),
+            });
         }
         logit_rows(logits, t, plan.cu_seqlens_q(), &mut ws.rows);
         let rows = Rows {

@@ -1,7 +1,6 @@
-//! Dense CPU ops of the model forward that are not attention, RoPE or the
-//! KV cache: linear layers (over f32 or GGUF-quantized weights, through
-//! the one blocked kernel of [`te_kernels::matmul`]) and RMSNorm (the gated
-//! activations are [`te_kernels::activation`]'s). All f32, row-major.
+//! The linear layer of the model forward on the CPU, `y = x · Wᵀ (+ b)`,
+//! over f32 or GGUF-quantized weights through the one blocked kernel of
+//! [`te_kernels::matmul`]. All f32, row-major.
 
 use rayon::prelude::*;
 

@@ -9,10 +9,11 @@ use std::sync::Arc;
 use te_cache::{CacheLayout, HostKvStorage, InferenceParams};
 use te_kernels::DType;
 
+use crate::context_parallel::ContextParallel;
 use crate::cuda::{CudaKvStorage, CudaModel, CudaRunner, KvStore};
 use crate::layer::Workspace;
 use crate::model::{Logits, Model, StepOutput};
-use crate::Result;
+use crate::{ModelError, Result};
 
 /// Where a model's steps run, with that device's reused state.
 pub enum Runner {
@@ -29,15 +30,6 @@ impl Runner {
         match gpu {
             None => Runner::Cpu(Box::default()),
             Some(cm) => Runner::Cuda(Box::new(CudaRunner::new(cm))),
-        }
-    }
-
-    /// The CPU workspace, on a CPU runner (the context-parallel forward
-    /// reuses it).
-    pub fn cpu_workspace(&mut self) -> Option<&mut Workspace> {
-        match self {
-            Runner::Cpu(ws) => Some(ws),
-            Runner::Cuda(_) => None,
         }
     }
 
@@ -85,6 +77,31 @@ impl Runner {
                 ws,
             )?)),
             Runner::Cuda(r) => r.step(model, tokens, cache, greedy),
+        }
+    }
+
+    /// One step of `tokens: [t]` on rank `cp.cp_rank()` of a
+    /// context-parallel group ([`Model::forward_context_parallel`]: the
+    /// step's rows placed by `cp`, the same model loop with collectives):
+    /// the logits `[b, vocab]` of each sequence's last token, the same on
+    /// every rank.
+    ///
+    /// Errors: a GPU runner (context parallelism runs on the CPU), and
+    /// those of [`Model::forward_context_parallel`].
+    pub fn step_context_parallel<'w>(
+        &'w mut self,
+        model: &Model,
+        tokens: &[u32],
+        cache: &mut InferenceParams<KvStore>,
+        cp: &mut ContextParallel,
+    ) -> Result<StepOutput<'w>> {
+        match self {
+            Runner::Cpu(ws) => Ok(StepOutput::Logits(
+                model.forward_context_parallel(tokens, cache, cp, ws)?,
+            )),
+            Runner::Cuda(_) => Err(ModelError::Cuda(
+                "context parallelism runs on the CPU only (--device cpu)".into(),
+            )),
         }
     }
 }

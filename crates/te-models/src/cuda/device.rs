@@ -26,11 +26,7 @@ impl Device {
                 .strip_prefix("cuda:")
                 .and_then(|n| n.parse().ok())
                 .map(Device::Cuda)
-                .ok_or_else(|| {
-                    ModelError::Request(format!(
-                        "--device `{s}`: expected cpu, cuda, cuda:N or auto"
-                    ))
-                }),
+                .ok_or_else(|| ModelError::UnknownDevice(s.to_string())),
         }
     }
 

@@ -66,15 +66,16 @@ impl CudaRunner {
         greedy: bool,
     ) -> Result<StepOutput<'w>> {
         let cm = &*self.model;
-        let plan = cache.plan().ok_or_else(|| {
-            ModelError::Request("forward: no step planned (call pre_step first)".into())
-        })?;
+        let plan = cache
+            .plan()
+            .ok_or(ModelError::NoStepPlanned { op: "forward" })?;
         let t = tokens.len();
         if plan.num_tokens() != t {
-            return Err(ModelError::Request(format!(
-                "forward: {t} tokens given, the planned step has {}",
-                plan.num_tokens()
-            )));
+            return Err(ModelError::StepTokens {
+                op: "forward",
+                given: t,
+                planned: plan.num_tokens(),
+            });
         }
         let b = plan.batch_size();
         let mut cuda = cm.lock()?;
