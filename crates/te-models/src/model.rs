@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use te_cache::{CacheLayout, CacheShape, HostKvStorage, InferenceParams, KvStorage};
+use te_cache::{CacheLayout, CacheShape, HostKvStorage, InferenceParams, KvStorage, StepPlan};
 use te_kernels::rope::{RopeFreqs, RopeScaling, RopeTable};
 use te_kernels::DType;
 
@@ -226,17 +226,8 @@ impl Model {
         logits: Logits,
         ws: &'w mut Workspace,
     ) -> Result<&'w [f32]> {
-        let plan = cache
-            .plan()
-            .ok_or(ModelError::NoStepPlanned { op: "forward" })?;
+        let plan = planned_step(cache, tokens)?;
         let t = tokens.len();
-        if plan.num_tokens() != t {
-            return Err(ModelError::StepTokens {
-                op: "forward",
-                given: t,
-                planned: plan.num_tokens(),
-            });
-        }
         logit_rows(logits, t, plan.cu_seqlens_q(), &mut ws.rows);
         let rows = Rows {
             t,
@@ -456,6 +447,27 @@ pub(crate) struct ModelBufs<'a, B> {
     pub x: &'a mut B,
     pub h: &'a mut B,
     pub logits: &'a mut B,
+}
+
+/// The step planned in `cache` (by its last `pre_step`), checked to hold
+/// `tokens: [t]`.
+///
+/// Errors: no step planned; a planned step of another length.
+pub(crate) fn planned_step<S: KvStorage>(
+    cache: &InferenceParams<S>,
+    tokens: &[u32],
+) -> Result<Arc<StepPlan>> {
+    let plan = cache
+        .plan()
+        .ok_or(ModelError::NoStepPlanned { op: "forward" })?;
+    if plan.num_tokens() != tokens.len() {
+        return Err(ModelError::StepTokens {
+            op: "forward",
+            given: tokens.len(),
+            planned: plan.num_tokens(),
+        });
+    }
+    Ok(plan)
 }
 
 /// The rows of a step of `t` tokens that get logits, into `rows`: every

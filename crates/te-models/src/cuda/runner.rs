@@ -9,8 +9,8 @@ use te_cache::InferenceParams;
 use super::graph::{self, DecodeStep, GraphStep};
 use super::model::{no_output, CudaModel, StepBufs};
 use super::storage::KvStore;
-use crate::model::{Model, StepOutput};
-use crate::{ModelError, Result};
+use crate::model::{planned_step, Model, StepOutput};
+use crate::Result;
 
 /// The CUDA path's buffers, reused from step to step: those of plain
 /// steps, and one set per CUDA-graph batch bucket (each graph replays
@@ -66,17 +66,8 @@ impl CudaRunner {
         greedy: bool,
     ) -> Result<StepOutput<'w>> {
         let cm = &*self.model;
-        let plan = cache
-            .plan()
-            .ok_or(ModelError::NoStepPlanned { op: "forward" })?;
+        let plan = planned_step(cache, tokens)?;
         let t = tokens.len();
-        if plan.num_tokens() != t {
-            return Err(ModelError::StepTokens {
-                op: "forward",
-                given: t,
-                planned: plan.num_tokens(),
-            });
-        }
         let b = plan.batch_size();
         let mut cuda = cm.lock()?;
         let cw = &mut self.ws;
