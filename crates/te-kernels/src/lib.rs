@@ -1,6 +1,8 @@
-//! te-kernels: the two kernels TransformerEngine added for generation, rotary
-//! position embedding (RoPE) and the KV-cache save, on CPU (rayon) and CUDA
-//! (NVRTC-compiled sources from the crate's `kernels/`), plus the layout types every other
+//! te-kernels: ops on buffers with no model knowledge, on CPU (rayon) and
+//! CUDA (NVRTC-compiled sources from the crate's `kernels/`): rotary
+//! position embedding (RoPE), the KV-cache save, thd<->bshd, GGUF's
+//! quantized block formats and their per-ISA decoders, the CPU matrix
+//! products, activations and RMSNorm; plus the layout types every other
 //! crate shares.
 //!
 //! Shape alphabet, used in every doc comment of the workspace:
@@ -18,6 +20,10 @@
 //! - [`apply_rope_cpu`] / [`apply_rope_cpu_out`]: RoPE in place / out of place;
 //! - [`save_kv_cpu`]: a step's new K and V into a contiguous or paged cache;
 //! - [`convert_thd_to_bshd`] / [`convert_bshd_to_thd`].
+//!
+//! CPU only, exact in any batch (a row's result never depends on the rows
+//! beside it): [`matmul`] (`x · Wᵀ` over f32 or [`quant`] blocks),
+//! [`activation`] (SiLU, GELU-tanh), [`norm`] (RMSNorm, residual add).
 //!
 //! The same CPU ops take `ndarray` views in [`nd`] (shapes and strides read
 //! from the views, sliced and permuted views accepted); [`ndarray`] is

@@ -620,7 +620,7 @@ mod tests {
 
     fn gemma2_like() -> ModelConfig {
         ModelConfig {
-            architecture: crate::family::GEMMA2,
+            architecture: crate::family::by_gguf_name("gemma2").expect("a family"),
             vocab_size: 256,
             hidden_size: 96,
             intermediate_size: 160,
@@ -657,7 +657,7 @@ mod tests {
         assert_eq!(round_trip_config(&g2, "gemma2"), g2);
 
         let g3 = ModelConfig {
-            architecture: crate::family::GEMMA3,
+            architecture: crate::family::by_gguf_name("gemma3").expect("a family"),
             rope_theta: 1e6,
             rope_scaling: RopeScaling::Linear { factor: 8.0 },
             softmax_scale: 1.0 / 24f32.sqrt(),
@@ -671,7 +671,7 @@ mod tests {
         assert_eq!(round_trip_config(&g3, "gemma3"), g3);
 
         let llama = ModelConfig {
-            architecture: crate::family::LLAMA,
+            architecture: crate::family::by_gguf_name("llama").expect("a family"),
             rms_norm_eps: 1e-5,
             rope_theta: 500000.0,
             rope_local_base_freq: 500000.0,

@@ -34,7 +34,7 @@ pub enum ModelError {
         problems: Vec<String>,
     },
     /// The architecture is not one te-rs runs.
-    #[error("unsupported architecture `{0}` (supported: llama, gemma, gemma2, gemma3)")]
+    #[error("unsupported architecture `{0}` (supported: {names})", names = crate::family::gguf_names())]
     UnsupportedArchitecture(String),
     /// A GGUF tensor type te-rs cannot dequantize.
     #[error("tensor `{tensor}`: unsupported GGUF tensor type ({type_name})")]

@@ -6,20 +6,21 @@
 //! line in [`FAMILIES`].
 
 mod descriptor;
-mod gemma;
-mod gemma2;
-mod gemma3;
-mod llama;
 
 pub use descriptor::{Architecture, Family, GgufKeys, NameScheme, Shared, Specifics, TensorNames};
 
-/// Every family, in the order error messages list them.
-pub static FAMILIES: &[&Family] = &[
-    &llama::LLAMA,
-    &gemma::GEMMA,
-    &gemma2::GEMMA2,
-    &gemma3::GEMMA3,
-];
+/// Declares each family's module and lists its [`Family`] in
+/// [`FAMILIES`], in the order error messages list them.
+macro_rules! families {
+    ($($module:ident::$family:ident),* $(,)?) => {
+        $(mod $module;)*
+        /// Every family te-rs runs.
+        pub static FAMILIES: &[&Family] = &[$(&$module::$family),*];
+    };
+}
+
+// The registration: one entry per family file.
+families!(llama::LLAMA, gemma::GEMMA, gemma2::GEMMA2, gemma3::GEMMA3);
 
 /// The family whose GGUF `general.architecture` is `name`.
 pub fn by_gguf_name(name: &str) -> Option<Architecture> {
@@ -54,12 +55,3 @@ pub fn hf_model_types() -> String {
         .collect::<Vec<_>>()
         .join(", ")
 }
-
-/// Llama.
-pub const LLAMA: Architecture = Architecture(&llama::LLAMA);
-/// Gemma (1).
-pub const GEMMA: Architecture = Architecture(&gemma::GEMMA);
-/// Gemma 2.
-pub const GEMMA2: Architecture = Architecture(&gemma2::GEMMA2);
-/// Gemma 3 text.
-pub const GEMMA3: Architecture = Architecture(&gemma3::GEMMA3);
