@@ -10,12 +10,16 @@ use crate::request::RequestError;
 /// Running the engine (or a batch through it) failed.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    /// An engine or evaluation setting is out of range.
-    #[error("{setting}: {reason}")]
+    /// An engine or evaluation setting is out of range (`reason` follows
+    /// the setting's name: "must be at least 1").
+    #[error("{setting} {reason}")]
     Setting {
         setting: &'static str,
         reason: String,
     },
+    /// A text too short for one perplexity window of `ctx` tokens.
+    #[error("the text has {tokens} tokens; perplexity needs at least ctx = {ctx}")]
+    TooFewTokens { tokens: usize, ctx: usize },
     /// Request `index` of a batch ([`crate::generate::generate`]) was
     /// refused; nothing ran.
     #[error("request {index}: {error}")]

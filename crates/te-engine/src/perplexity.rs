@@ -120,12 +120,9 @@ pub fn perplexity(
     }
     let all = windows(tokens, ctx, params.bos);
     if all.is_empty() {
-        return Err(EngineError::Setting {
-            setting: "ctx",
-            reason: format!(
-                "the text has {} tokens; perplexity needs at least ctx = {ctx}",
-                tokens.len()
-            ),
+        return Err(EngineError::TooFewTokens {
+            tokens: tokens.len(),
+            ctx,
         });
     }
     let vocab = model.config.vocab_size;
