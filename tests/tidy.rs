@@ -825,6 +825,7 @@ fn references(
     module: &[String],
     tokens: &[Token],
     modules: &BTreeMap<Vec<String>, ModFile>,
+    reexports: &BTreeMap<String, Vec<String>>,
 ) -> Vec<Reference> {
     let t = tokens;
     // `mod child;` declarations at the top level of the file.
@@ -928,11 +929,18 @@ fn references(
                             _ => full.push(seg.clone()),
                         }
                     }
-                    let target = (0..=full.len())
+                    let mut target = (0..=full.len())
                         .rev()
                         .map(|n| full[..n].to_vec())
                         .find(|p| modules.contains_key(p))
                         .unwrap_or_default();
+                    // `crate::Name` where the root re-exports `Name` from a
+                    // module: a reference to that module.
+                    if target.is_empty() {
+                        if let Some(m) = full.first().and_then(|n| reexports.get(n)) {
+                            target = m.clone();
+                        }
+                    }
                     if target.is_empty() || target == module {
                         continue;
                     }
@@ -951,6 +959,40 @@ fn references(
             _ => {}
         }
         i += 1;
+    }
+    out
+}
+
+/// The names the crate root re-exports from its modules (`pub use
+/// engine::{Engine, EngineConfig};`), each with the module it comes from.
+fn root_reexports(modules: &BTreeMap<Vec<String>, ModFile>) -> BTreeMap<String, Vec<String>> {
+    let mut out = BTreeMap::new();
+    let Some(root) = modules.get(&Vec::new()) else {
+        return out;
+    };
+    let t = &root.tokens;
+    for i in 0..t.len() {
+        if !(is_ident(t.get(i), "pub") && is_ident(t.get(i + 1), "use")) {
+            continue;
+        }
+        let mut paths = Vec::new();
+        parse_paths(t, i + 2, Vec::new(), &mut paths);
+        for segs in paths {
+            let segs: Vec<String> = segs
+                .into_iter()
+                .filter(|s| s != "crate" && s != "self")
+                .collect();
+            let Some((name, path)) = segs.split_last() else {
+                continue;
+            };
+            let module = (1..=path.len())
+                .rev()
+                .map(|n| path[..n].to_vec())
+                .find(|p| modules.contains_key(p));
+            if let Some(module) = module {
+                out.insert(name.clone(), module);
+            }
+        }
     }
     out
 }
@@ -1032,6 +1074,7 @@ fn module_cycles(krate: &str) -> Vec<String> {
         let tokens = strip_cfg_test(lex(&text));
         modules.insert(module, ModFile { rel, tokens });
     }
+    let reexports = root_reexports(&modules);
     let keys: Vec<Vec<String>> = modules.keys().cloned().collect();
     let node = |m: &[String]| keys.iter().position(|k| k == m).unwrap();
     // (from, to) -> the first reference seen.
@@ -1040,7 +1083,7 @@ fn module_cycles(krate: &str) -> Vec<String> {
         if module.is_empty() {
             continue; // the crate root declares and re-exports everything
         }
-        for r in references(module, &file.tokens, &modules) {
+        for r in references(module, &file.tokens, &modules, &reexports) {
             edges.entry((node(module), node(&r.target))).or_insert(r);
         }
     }
@@ -1135,7 +1178,7 @@ mod tests {
         );
     }
     let tokens = strip_cfg_test(lex(text));
-    let found: Vec<(String, String)> = references(&module, &tokens, &modules)
+    let found: Vec<(String, String)> = references(&module, &tokens, &modules, &BTreeMap::new())
         .into_iter()
         .map(|r| (r.target.join("::"), r.text))
         .collect();

@@ -198,3 +198,63 @@ fn prompts_are_chunked_within_the_step_budget() {
     assert_eq!(step(&mut s), vec![1, 2]);
     assert_eq!(step(&mut s), vec![1, 1]);
 }
+
+#[test]
+fn step_tokens_are_each_sequences_next_chunk_in_thd_order() {
+    let cfg = SchedulerConfig {
+        max_batch_size: 8,
+        prefill_chunk: 3,
+        max_step_tokens: 64,
+        prefix_caching: false,
+    };
+    let mut s = Scheduler::new(pool(32, 4), cfg).unwrap();
+    s.enqueue(seq(0, &[10, 11, 12, 13, 14]));
+    s.enqueue(seq(1, &[20, 21]));
+    s.admit().unwrap();
+    let Schedule::Step { feed } = s.schedule().unwrap() else {
+        panic!("a step")
+    };
+    assert_eq!(feed, vec![3, 2]);
+    // 0's first chunk, then all of 1's prompt; both are still prefilling.
+    assert_eq!(s.step_tokens(&feed), (vec![10, 11, 12, 20, 21], true));
+    s.advance(&feed).unwrap();
+    s.running_mut()[1].tokens.push(99);
+    let Schedule::Step { feed } = s.schedule().unwrap() else {
+        panic!("a step")
+    };
+    assert_eq!(feed, vec![2, 1]);
+    assert_eq!(s.step_tokens(&feed), (vec![13, 14, 99], true));
+    s.advance(&feed).unwrap();
+    s.running_mut()[0].tokens.push(98);
+    s.running_mut()[1].tokens.push(97);
+    let Schedule::Step { feed } = s.schedule().unwrap() else {
+        panic!("a step")
+    };
+    // Both decode: no prompt token left in the step.
+    assert_eq!(s.step_tokens(&feed), (vec![98, 97], false));
+}
+
+#[test]
+fn a_prompt_waits_for_the_same_first_page_in_flight_and_then_shares_it() {
+    let cfg = SchedulerConfig {
+        max_batch_size: 8,
+        prefill_chunk: 4,
+        max_step_tokens: 64,
+        prefix_caching: true,
+    };
+    let mut s = Scheduler::new(pool(32, 4), cfg).unwrap();
+    let a: Vec<u32> = (1..=10).collect();
+    let mut b: Vec<u32> = (1..=8).collect();
+    b.extend([60, 61]);
+    s.enqueue(seq(0, &a));
+    s.enqueue(seq(1, &b));
+    // B begins with A's first page while A is still computing its prompt:
+    // B waits (feed 0) until A's prompt is done.
+    assert_eq!(step(&mut s), vec![4, 0]);
+    assert_eq!(step(&mut s), vec![4, 0]);
+    assert_eq!(step(&mut s), vec![2, 0]);
+    // Then it takes A's two registered pages and computes only its last 2.
+    assert_eq!(step(&mut s), vec![1, 2]);
+    assert_eq!(s.running()[1].cached_prompt_tokens, 8);
+    assert_eq!(s.stats().prefix_hit_tokens, 8);
+}

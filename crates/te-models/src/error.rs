@@ -34,8 +34,13 @@ pub enum ModelError {
         problems: Vec<String>,
     },
     /// The architecture is not one te-rs runs.
-    #[error("unsupported architecture `{0}` (supported: {names})", names = crate::family::gguf_names())]
-    UnsupportedArchitecture(String),
+    #[error("unsupported architecture `{name}` (supported: {supported})")]
+    UnsupportedArchitecture {
+        /// GGUF `general.architecture`.
+        name: String,
+        /// The registered families, comma-separated.
+        supported: String,
+    },
     /// A GGUF tensor type te-rs cannot dequantize.
     #[error("tensor `{tensor}`: unsupported GGUF tensor type ({type_name})")]
     UnsupportedQuantization { tensor: String, type_name: String },

@@ -32,8 +32,11 @@ fn has_layer_bias(f: &GgufFile, roles: &[&str]) -> bool {
 /// `rope_freqs` scaling tensors (not supported yet).
 pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
     let arch_name = f.get_str("general.architecture")?.to_string();
-    let architecture = family::by_gguf_name(&arch_name)
-        .ok_or(ModelError::UnsupportedArchitecture(arch_name.clone()))?;
+    let architecture =
+        family::by_gguf_name(&arch_name).ok_or_else(|| ModelError::UnsupportedArchitecture {
+            name: arch_name.clone(),
+            supported: family::gguf_names(),
+        })?;
     let fam = architecture.family();
     let k = GgufKeys {
         file: f,

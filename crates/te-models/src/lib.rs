@@ -11,7 +11,7 @@
 //!
 //! Invariants: every architecture is one [`family`] file mapped onto the
 //! one [`layer::Layer`] (config and tensor names); `Model` and
-//! `Workspace` name no device type; a model
+//! `Workspace` name no CUDA type; a model
 //! loads only after [`validate`] found its config, tensors, metadata and
 //! tokenizer consistent (no tensor missing, misshapen or left unused);
 //! GGUF block-quantized weights stay as stored (read in place from the

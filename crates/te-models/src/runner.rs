@@ -1,7 +1,7 @@
 //! The per-device step: [`Runner`] owns what one device's steps reuse
 //! (the CPU workspace, or the CUDA runner with its uploaded weights and
 //! buffers), makes the KV cache in that device's memory, and runs a step
-//! of the one model code there. `Model` and `Workspace` name no device
+//! of the one model code there. `Model` and `Workspace` name no CUDA
 //! type; this is the one place that picks.
 
 use std::sync::Arc;
