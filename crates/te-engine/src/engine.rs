@@ -483,6 +483,11 @@ impl<'a> Engine<'a> {
     /// names the step.
     pub fn step(&mut self) -> Result<Vec<Event>> {
         let result = self.step_inner();
+        // The scheduler's counters, on every path out of the step
+        // (preemptions and prefix hits happen before a step can stop early).
+        let s = self.sched.stats();
+        self.stats.preemptions = s.preemptions;
+        self.stats.prefix_hit_tokens = s.prefix_hit_tokens;
         if let (Err(e), Some(cp)) = (&result, self.sched.context_parallel_mut()) {
             // The other ranks fail too, naming this one.
             cp.abort(&e.to_string());
@@ -619,9 +624,6 @@ impl<'a> Engine<'a> {
             let seq = self.sched.finish(i)?;
             events.push(self.finish(seq, reason));
         }
-        let s = self.sched.stats();
-        self.stats.preemptions = s.preemptions;
-        self.stats.prefix_hit_tokens = s.prefix_hit_tokens;
         Ok(events)
     }
 

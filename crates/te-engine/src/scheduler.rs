@@ -118,6 +118,8 @@ pub struct Scheduler<S: KvStorage, T> {
     cp: Option<ContextParallel>,
     /// A layer of the full-attention pool (its pages are the capacity).
     full_layer: usize,
+    /// Tokens per page of that pool.
+    page_size: usize,
     kv_capacity_tokens: usize,
     waiting: VecDeque<SeqState<T>>,
     running: Vec<SeqState<T>>,
@@ -146,14 +148,15 @@ impl<S: KvStorage, T> Scheduler<S, T> {
         let full_layer = (0..cache.num_layers())
             .find(|&l| cache.ring_len(l).is_none())
             .unwrap_or(0);
-        let kv_capacity_tokens = (cache.pages_in_use(full_layer)?
-            + cache.pages_free(full_layer)?)
-            * cache.page_size(full_layer)?;
+        let page_size = cache.page_size(full_layer)?;
+        let kv_capacity_tokens =
+            (cache.pages_in_use(full_layer)? + cache.pages_free(full_layer)?) * page_size;
         Ok(Scheduler {
             config,
             cache,
             cp: None,
             full_layer,
+            page_size,
             kv_capacity_tokens,
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -201,8 +204,7 @@ impl<S: KvStorage, T> Scheduler<S, T> {
 
     /// KV tokens held now (pages in use times page size).
     pub fn kv_tokens_in_use(&self) -> usize {
-        let l = self.full_layer;
-        self.cache.pages_in_use(l).unwrap_or(0) * self.cache.page_size(l).unwrap_or(0)
+        self.cache.pages_in_use(self.full_layer).unwrap_or(0) * self.page_size
     }
 
     /// Pages of the full-attention pool: in use, and in use plus free.
@@ -278,7 +280,7 @@ impl<S: KvStorage, T> Scheduler<S, T> {
             self.start_sequences();
             return Ok(());
         }
-        let ps = self.cache.page_size(self.full_layer)?;
+        let ps = self.page_size;
         let mut free = self.cache.pages_free(self.full_layer).unwrap_or(0);
         let mut ranks = 1;
         if let Some(cp) = self.cp.as_mut() {
@@ -410,7 +412,7 @@ impl<S: KvStorage, T> Scheduler<S, T> {
     /// shares the other's pages instead of computing them again (requests
     /// that arrive together with a common prefix).
     fn start_sequences(&mut self) {
-        let ps = self.cache.page_size(self.full_layer).unwrap_or(1);
+        let ps = self.page_size;
         let sharing = self.prefix_caching();
         for i in 0..self.running.len() {
             if self.running[i].started {
