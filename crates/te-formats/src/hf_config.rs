@@ -37,6 +37,15 @@ pub struct HfConfig {
     pub sliding_window: Option<usize>,
     pub sliding_window_pattern: Option<usize>,
     pub layer_types: Option<Vec<String>>,
+    /// Qwen2/3: the window applies only when this is true, and only to
+    /// layers `>= max_window_layers`.
+    pub use_sliding_window: Option<bool>,
+    pub max_window_layers: Option<usize>,
+    /// Fraction of `head_dim` that RoPE rotates (te-rs runs 1.0 only).
+    pub partial_rotary_factor: Option<f64>,
+    /// Mixture-of-experts counts (te-rs runs dense models only).
+    pub num_experts: Option<usize>,
+    pub num_local_experts: Option<usize>,
     pub bos_token_id: Option<serde_json::Value>,
     pub eos_token_id: Option<serde_json::Value>,
 }
@@ -50,6 +59,13 @@ pub struct HfRopeScaling {
     pub low_freq_factor: Option<f64>,
     pub high_freq_factor: Option<f64>,
     pub original_max_position_embeddings: Option<usize>,
+    /// YaRN (`rope_type = "yarn"`).
+    pub beta_fast: Option<f64>,
+    pub beta_slow: Option<f64>,
+    pub attention_factor: Option<f64>,
+    pub mscale: Option<f64>,
+    pub mscale_all_dim: Option<f64>,
+    pub truncate: Option<bool>,
 }
 
 pub fn field<T>(v: Option<T>, name: &str) -> Result<T> {

@@ -36,6 +36,47 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: usize,
     },
+    /// `rope_type = "yarn"` (Peng et al. 2023, "YaRN", as Hugging Face's
+    /// `_compute_yarn_parameters` and llama.cpp's `rope_yarn` compute it):
+    /// with `dim = d2`, `corr(r) = dim * ln(original_max_position_embeddings
+    /// / (2π r)) / (2 ln base)`, `low = max(floor(corr(beta_fast)), 0)` and
+    /// `high = min(ceil(corr(beta_slow)), dim - 1)` (no floor/ceil when
+    /// `truncate` is false), `ramp_i = clamp((i - low) / (high - low), 0,
+    /// 1)` (`high += 0.001` when equal) and `e_i = 1 - ramp_i`:
+    /// `inv_freq' = inv_freq / factor * (1 - e_i) + inv_freq * e_i`.
+    /// `cos` and `sin` are multiplied by `attention_factor` (Hugging Face
+    /// `attention_scaling`; default `0.1 ln(factor) + 1`), which scales the
+    /// attention logits by its square.
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: usize,
+        beta_fast: f64,
+        beta_slow: f64,
+        attention_factor: f64,
+        truncate: bool,
+    },
+}
+
+impl RopeScaling {
+    /// YaRN's default attention factor for `factor`: `0.1 ln(factor) + 1`
+    /// (1 for `factor <= 1`), Hugging Face's `get_mscale`.
+    pub fn yarn_mscale(factor: f64, mscale: f64) -> f64 {
+        if factor <= 1.0 {
+            1.0
+        } else {
+            0.1 * mscale * factor.ln() + 1.0
+        }
+    }
+
+    /// The factor `cos` and `sin` are multiplied by (1 except YaRN).
+    pub fn attention_factor(&self) -> f64 {
+        match *self {
+            RopeScaling::Yarn {
+                attention_factor, ..
+            } => attention_factor,
+            _ => 1.0,
+        }
+    }
 }
 
 /// What a [`RopeTable`] is built from.
@@ -54,6 +95,30 @@ impl RopeFreqs {
     /// The `d2 / 2` inverse frequencies, in f64, after scaling.
     pub fn inv_freqs(&self) -> Vec<f64> {
         let d2 = self.rotary_dim as f64;
+        let yarn_range = match self.scaling {
+            RopeScaling::Yarn {
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                truncate,
+                ..
+            } => {
+                let corr = |rotations: f64| {
+                    d2 * (original_max_position_embeddings as f64
+                        / (rotations * 2.0 * std::f64::consts::PI))
+                        .ln()
+                        / (2.0 * self.base.ln())
+                };
+                let (low, high) = if truncate {
+                    (corr(beta_fast).floor(), corr(beta_slow).ceil())
+                } else {
+                    (corr(beta_fast), corr(beta_slow))
+                };
+                let (low, high) = (low.max(0.0), high.min(d2 - 1.0));
+                (low, if low == high { high + 0.001 } else { high })
+            }
+            _ => (0.0, 0.0),
+        };
         (0..self.rotary_dim / 2)
             .map(|i| {
                 let f = self.base.powf(-2.0 * i as f64 / d2);
@@ -77,6 +142,12 @@ impl RopeFreqs {
                                 / (high_freq_factor - low_freq_factor);
                             (1.0 - smooth) * f / factor + smooth * f
                         }
+                    }
+                    RopeScaling::Yarn { factor, .. } => {
+                        let (low, high) = yarn_range;
+                        let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                        let extrapolate = 1.0 - ramp;
+                        f / factor * (1.0 - extrapolate) + f * extrapolate
                     }
                 }
             })
@@ -151,10 +222,78 @@ impl RopeTable {
                     ));
                 }
             }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                attention_factor,
+                ..
+            } => {
+                if !greater(factor, 0.0) || !greater(attention_factor, 0.0) {
+                    return Err(bad(
+                        "scaling",
+                        "yarn factor and attention_factor must be > 0".into(),
+                    ));
+                }
+                if !greater(beta_fast, 0.0) || !greater(beta_slow, 0.0) {
+                    return Err(bad(
+                        "scaling",
+                        "yarn beta_fast and beta_slow must be > 0".into(),
+                    ));
+                }
+                if original_max_position_embeddings == 0 {
+                    return Err(bad(
+                        "scaling.original_max_position_embeddings",
+                        "must be positive".into(),
+                    ));
+                }
+            }
         }
-        let inv = freqs.inv_freqs();
+        Self::from_inv_freqs(
+            &freqs.inv_freqs(),
+            freqs.max_positions,
+            freqs.scaling.attention_factor(),
+        )
+    }
+
+    /// A table of the inverse frequencies `inv: [d2 / 2]` (f64, `d2 = 2 *
+    /// inv.len()`), with `cos` and `sin` multiplied by `attention_factor`
+    /// (1 but for YaRN): for frequencies [`RopeFreqs`] cannot state, such
+    /// as GGUF `rope_freqs.weight` divisors applied to
+    /// [`RopeFreqs::inv_freqs`].
+    ///
+    /// Errors: `inv` empty or holding a value that is not finite and
+    /// positive, `max_positions` zero, `attention_factor` not finite and
+    /// positive.
+    pub fn from_inv_freqs(
+        inv: &[f64],
+        max_positions: usize,
+        attention_factor: f64,
+    ) -> Result<Self, KernelError> {
+        let bad = |arg, reason: String| KernelError::InvalidArgument {
+            op: OP,
+            arg,
+            reason,
+        };
+        if inv.is_empty() || inv.iter().any(|f| !(f.is_finite() && *f > 0.0)) {
+            return Err(bad(
+                "inv_freqs",
+                "must be finite positive numbers, at least one".into(),
+            ));
+        }
+        if max_positions == 0 {
+            return Err(bad("max_positions", "must be positive".into()));
+        }
+        if !(attention_factor.is_finite() && attention_factor > 0.0) {
+            return Err(bad(
+                "attention_factor",
+                format!("{attention_factor} must be > 0"),
+            ));
+        }
+        let m = attention_factor;
         let half = inv.len();
-        let n = freqs.max_positions * half;
+        let n = max_positions * half;
         let (mut cos, mut sin) = (vec![0f32; n], vec![0f32; n]);
         // Angles in f64 by blocks of positions: exact `sin_cos` at each
         // block's first position p0 and for the offsets k < BLOCK, then the
@@ -175,14 +314,14 @@ impl RopeTable {
                     let (s0, c0) = (p0 * f).sin_cos();
                     for k in 0..c.len() / half {
                         let (sk, ck) = offsets[k * half + i];
-                        c[k * half + i] = (c0 * ck - s0 * sk) as f32;
-                        s[k * half + i] = (s0 * ck + c0 * sk) as f32;
+                        c[k * half + i] = ((c0 * ck - s0 * sk) * m) as f32;
+                        s[k * half + i] = ((s0 * ck + c0 * sk) * m) as f32;
                     }
                 }
             });
         Ok(Self {
-            rotary_dim: freqs.rotary_dim,
-            max_positions: freqs.max_positions,
+            rotary_dim: 2 * half,
+            max_positions,
             cos,
             sin,
         })

@@ -33,6 +33,10 @@ pub struct ModelConfig {
     /// `rope_theta` where the family has no separate local base.
     pub rope_local_base_freq: f32,
     pub rope_scaling: RopeScaling,
+    /// Per-frequency divisors `[head_dim / 2]` of the inverse frequencies
+    /// after `rope_scaling` (GGUF `rope_freqs.weight`, llama.cpp's form of
+    /// Llama 3.1's scaling: `θ_i = pos * inv_freq_i / rope_freqs[i]`).
+    pub rope_freq_factors: Option<Vec<f32>>,
     /// How the Q/K weights expect to be rotated: interleaved for GGUF llama
     /// files (their rows are permuted), half-split for Hugging Face weights
     /// and Gemma.
@@ -57,8 +61,11 @@ pub struct ModelConfig {
     pub sandwich_norms: bool,
     pub tie_word_embeddings: bool,
     /// Biases on the q, k, v and o projections (Hugging Face
-    /// `attention_bias`; in GGUF, the presence of `blk.N.attn_*.bias`).
+    /// `attention_bias`; in GGUF, the presence of `blk.N.attn_output.bias`).
     pub attention_bias: bool,
+    /// Biases on the q, k and v projections without o (Qwen2; in GGUF,
+    /// the presence of `blk.N.attn_{q,k,v}.bias`).
+    pub qkv_bias: bool,
     /// Biases on the gate, up and down projections (Hugging Face
     /// `mlp_bias`; in GGUF, the presence of `blk.N.ffn_*.bias`).
     pub mlp_bias: bool,
@@ -79,10 +86,12 @@ pub struct Common {
     pub max_position_embeddings: usize,
     pub rope_theta: f32,
     pub rope_scaling: RopeScaling,
+    pub rope_freq_factors: Option<Vec<f32>>,
     pub rope_convention: RopeConvention,
     pub hidden_activation: Activation,
     pub tie_word_embeddings: bool,
     pub attention_bias: bool,
+    pub qkv_bias: bool,
     pub mlp_bias: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
@@ -108,6 +117,7 @@ impl ModelConfig {
             rope_theta: c.rope_theta,
             rope_local_base_freq: s.rope_local_base_freq.unwrap_or(c.rope_theta),
             rope_scaling: c.rope_scaling,
+            rope_freq_factors: c.rope_freq_factors,
             rope_convention: c.rope_convention,
             hidden_activation: c.hidden_activation,
             softmax_scale: 1.0 / s.softmax_scale_base.unwrap_or(sh.head_dim as f32).sqrt(),
@@ -121,6 +131,7 @@ impl ModelConfig {
             sandwich_norms: fam.sandwich_norms,
             tie_word_embeddings: c.tie_word_embeddings,
             attention_bias: c.attention_bias,
+            qkv_bias: c.qkv_bias || fam.qkv_bias,
             mlp_bias: c.mlp_bias,
             bos_token_id: c.bos_token_id,
             eos_token_ids: c.eos_token_ids,
@@ -161,6 +172,16 @@ pub fn plausible_layers(field: &str, v: usize) -> crate::Result<usize> {
 }
 
 impl ModelConfig {
+    /// Whether the layer matrix of role `role` (`q`, `k`, `v`, `o`,
+    /// `gate`, `up`, `down`) has a bias.
+    pub fn has_bias(&self, role: &str) -> bool {
+        match role {
+            "q" | "k" | "v" => self.attention_bias || self.qkv_bias,
+            "o" => self.attention_bias,
+            _ => self.mlp_bias,
+        }
+    }
+
     /// Query heads per KV head.
     pub fn kv_group(&self) -> usize {
         self.num_attention_heads / self.num_key_value_heads
@@ -244,6 +265,18 @@ impl ModelConfig {
         ] {
             if let Some(c) = cap.filter(|c| !(c.is_finite() && *c > 0.0)) {
                 return bad(field, format!("{c} must be > 0"));
+            }
+        }
+        if let Some(f) = &self.rope_freq_factors {
+            if f.len() != self.head_dim / 2 || f.iter().any(|x| !(x.is_finite() && *x > 0.0)) {
+                return bad(
+                    "rope_freqs",
+                    format!(
+                        "needs head_dim / 2 = {} finite positive factors, has {}",
+                        self.head_dim / 2,
+                        f.len()
+                    ),
+                );
             }
         }
         if self.layer_windows.contains(&Some(0)) {

@@ -31,7 +31,7 @@ use std::borrow::Cow;
 use std::path::Path;
 
 use serde_json::{json, Value};
-use te_kernels::rope::{RopeConvention, RopeScaling};
+use te_kernels::rope::{RopeConvention, RopeFreqs, RopeScaling};
 
 use crate::config::{Activation, ModelConfig};
 use crate::family::{NameScheme, TensorNames};
@@ -100,7 +100,11 @@ fn eos_json(ids: &[u32]) -> Value {
 /// `query_pre_attn_scalar` (Gemma 2/3) is recovered from `softmax_scale =
 /// 1/sqrt(query_pre_attn_scalar)`, rounded to an integer when within 1e-3
 /// of one (it is one in every released Gemma).
-pub fn hf_config_json(cfg: &ModelConfig, dtype: OutputDtype) -> Value {
+///
+/// Errors: GGUF `rope_freqs` divisors that are not those of a Llama 3.x
+/// `rope_scaling` ([`llama3_scaling_of`]): `config.json` has no field for
+/// arbitrary ones.
+pub fn hf_config_json(cfg: &ModelConfig, dtype: OutputDtype) -> Result<Value> {
     let fam = cfg.architecture.family();
     let mut c = json!({
         "architectures": [fam.hf_class],
@@ -116,7 +120,7 @@ pub fn hf_config_json(cfg: &ModelConfig, dtype: OutputDtype) -> Value {
         "rms_norm_eps": f32_json(cfg.rms_norm_eps),
         "max_position_embeddings": cfg.max_position_embeddings,
         "rope_theta": f32_json(cfg.rope_theta),
-        "rope_scaling": rope_scaling_json(&cfg.rope_scaling),
+        "rope_scaling": rope_scaling_json(cfg)?,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": eos_json(&cfg.eos_token_ids),
@@ -156,7 +160,11 @@ pub fn hf_config_json(cfg: &ModelConfig, dtype: OutputDtype) -> Value {
                 .map(f32_json)
                 .unwrap_or(Value::Null),
         );
-        let window = cfg.layer_windows.iter().flatten().next().copied();
+    }
+    // Sliding windows: Gemma 2/3 always state theirs; Mistral and Qwen
+    // when a layer slides (Qwen also switches them on).
+    let window = cfg.layer_windows.iter().flatten().next().copied();
+    if fam.sandwich_norms || window.is_some() {
         obj.insert("sliding_window".into(), json!(window));
         let types: Vec<&str> = cfg
             .layer_windows
@@ -170,6 +178,9 @@ pub fn hf_config_json(cfg: &ModelConfig, dtype: OutputDtype) -> Value {
             })
             .collect();
         obj.insert("layer_types".into(), json!(types));
+        if fam.hf_use_sliding_window {
+            obj.insert("use_sliding_window".into(), json!(true));
+        }
     }
     if fam.local_rope_unscaled {
         obj.insert(
@@ -177,11 +188,60 @@ pub fn hf_config_json(cfg: &ModelConfig, dtype: OutputDtype) -> Value {
             f32_json(cfg.rope_local_base_freq),
         );
     }
-    c
+    Ok(c)
 }
 
-fn rope_scaling_json(s: &RopeScaling) -> Value {
-    match *s {
+/// The Llama 3.x `rope_scaling` (`factor` 2 to 32, `low_freq_factor` 1,
+/// `high_freq_factor` 4, `original_max_position_embeddings` 4096 to
+/// 32768: every released Llama 3.1/3.2/3.3 uses one of these) whose
+/// divisors `base^(-2i/d) / inv_freq'_i` equal `factors` (GGUF
+/// `rope_freqs`, as llama.cpp's converter computes them in f32) to 1e-5
+/// relative, if any.
+pub fn llama3_scaling_of(factors: &[f32], base: f32, head_dim: usize) -> Option<RopeScaling> {
+    let freqs = |scaling| RopeFreqs {
+        base: base as f64,
+        rotary_dim: head_dim,
+        max_positions: 1,
+        scaling,
+    };
+    let plain = freqs(RopeScaling::None).inv_freqs();
+    for factor in [8.0, 32.0, 16.0, 4.0, 2.0] {
+        for original_max_position_embeddings in [8192, 4096, 16384, 32768] {
+            let scaling = RopeScaling::Llama3 {
+                factor,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings,
+            };
+            let scaled = freqs(scaling).inv_freqs();
+            let same = factors.len() == plain.len()
+                && plain.iter().zip(&scaled).zip(factors).all(|((p, s), f)| {
+                    let want = p / s;
+                    (want - *f as f64).abs() <= 1e-5 * want
+                });
+            if same {
+                return Some(scaling);
+            }
+        }
+    }
+    None
+}
+
+/// `rope_scaling` of `cfg` as `config.json` writes it (GGUF `rope_freqs`
+/// as the Llama 3.x scaling they equal).
+fn rope_scaling_json(cfg: &ModelConfig) -> Result<Value> {
+    let scaling = match &cfg.rope_freq_factors {
+        None => cfg.rope_scaling,
+        Some(f) => llama3_scaling_of(f, cfg.rope_theta, cfg.head_dim)
+            .filter(|_| cfg.rope_scaling == RopeScaling::None)
+            .ok_or_else(|| ModelError::Config {
+                field: "rope_freqs".into(),
+                reason: "these per-frequency RoPE divisors are not a Llama 3.x rope_scaling; \
+                         config.json cannot state them"
+                    .into(),
+            })?,
+    };
+    Ok(match scaling {
         RopeScaling::None => Value::Null,
         RopeScaling::Linear { factor } => json!({ "rope_type": "linear", "factor": factor }),
         RopeScaling::Llama3 {
@@ -196,7 +256,23 @@ fn rope_scaling_json(s: &RopeScaling) -> Value {
             "high_freq_factor": high_freq_factor,
             "original_max_position_embeddings": original_max_position_embeddings,
         }),
-    }
+        RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            beta_fast,
+            beta_slow,
+            attention_factor,
+            truncate,
+        } => json!({
+            "rope_type": "yarn",
+            "factor": factor,
+            "original_max_position_embeddings": original_max_position_embeddings,
+            "beta_fast": beta_fast,
+            "beta_slow": beta_slow,
+            "attention_factor": attention_factor,
+            "truncate": truncate,
+        }),
+    })
 }
 
 /// Hugging Face `generation_config.json`: BOS and EOS ids.
@@ -528,7 +604,7 @@ pub fn convert_gguf_to_hf(
     let pretty = |v: &Value| serde_json::to_string_pretty(v).expect("JSON values serialize");
     write_file(
         &out_dir.join("config.json"),
-        &pretty(&hf_config_json(cfg, dtype)),
+        &pretty(&hf_config_json(cfg, dtype)?),
     )?;
     write_file(
         &out_dir.join("generation_config.json"),
@@ -609,7 +685,8 @@ mod tests {
     fn round_trip_config(cfg: &ModelConfig, name: &str) -> ModelConfig {
         let dir = std::env::temp_dir().join(format!("te-convert-{}-{name}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let config = serde_json::to_string(&hf_config_json(cfg, OutputDtype::Bf16)).unwrap();
+        let config =
+            serde_json::to_string(&hf_config_json(cfg, OutputDtype::Bf16).unwrap()).unwrap();
         std::fs::write(dir.join("config.json"), config).unwrap();
         let gen = serde_json::to_string(&generation_config_json(cfg)).unwrap();
         std::fs::write(dir.join("generation_config.json"), gen).unwrap();
@@ -645,7 +722,9 @@ mod tests {
             sandwich_norms: true,
             tie_word_embeddings: true,
             attention_bias: false,
+            qkv_bias: false,
             mlp_bias: false,
+            rope_freq_factors: None,
             bos_token_id: Some(2),
             eos_token_ids: vec![1, 107],
         }
@@ -697,18 +776,125 @@ mod tests {
         };
         let back = round_trip_config(&llama, "llama");
         assert_eq!(back, llama);
-        let json = hf_config_json(&llama, OutputDtype::F32);
+        let json = hf_config_json(&llama, OutputDtype::F32).unwrap();
         assert_eq!(json["model_type"], "llama");
         assert_eq!(json["torch_dtype"], "float32");
         assert_eq!(json["rope_scaling"]["rope_type"], "llama3");
         assert_eq!(
-            hf_config_json(&g3, OutputDtype::F32)["model_type"],
+            hf_config_json(&g3, OutputDtype::F32).unwrap()["model_type"],
             "gemma3_text"
         );
         assert_eq!(
-            hf_config_json(&g2, OutputDtype::F32)["query_pre_attn_scalar"],
+            hf_config_json(&g2, OutputDtype::F32).unwrap()["query_pre_attn_scalar"],
             96
         );
+
+        // Qwen2: q/k/v biases from the family, YaRN, windows on the last
+        // layers only; Qwen3: q/k norms; Mistral: a window on every layer.
+        let plain = ModelConfig {
+            rope_local_base_freq: 1e6,
+            rope_theta: 1e6,
+            softmax_scale: 1.0 / 24f32.sqrt(),
+            attn_logit_softcapping: None,
+            final_logit_softcapping: None,
+            scale_embedding: false,
+            sandwich_norms: false,
+            hidden_activation: Activation::Silu,
+            tie_word_embeddings: false,
+            ..gemma2_like()
+        };
+        let qwen2 = ModelConfig {
+            architecture: crate::family::by_gguf_name("qwen2").expect("a family"),
+            qkv_bias: true,
+            max_position_embeddings: 131072,
+            rope_scaling: RopeScaling::Yarn {
+                factor: 4.0,
+                original_max_position_embeddings: 32768,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                attention_factor: RopeScaling::yarn_mscale(4.0, 1.0),
+                truncate: true,
+            },
+            layer_windows: vec![None, None, Some(64), Some(64)],
+            ..plain.clone()
+        };
+        assert_eq!(round_trip_config(&qwen2, "qwen2"), qwen2);
+        let qwen3 = ModelConfig {
+            architecture: crate::family::by_gguf_name("qwen3").expect("a family"),
+            qk_norm: true,
+            layer_windows: vec![None; 4],
+            ..plain.clone()
+        };
+        assert_eq!(round_trip_config(&qwen3, "qwen3"), qwen3);
+        let mistral = ModelConfig {
+            architecture: crate::family::by_gguf_name("mistral").expect("a family"),
+            layer_windows: vec![Some(4096); 4],
+            ..plain.clone()
+        };
+        assert_eq!(round_trip_config(&mistral, "mistral"), mistral);
+        let json = hf_config_json(&mistral, OutputDtype::F32).unwrap();
+        assert_eq!(json["architectures"][0], "MistralForCausalLM");
+        assert_eq!(json["sliding_window"], 4096);
+    }
+
+    /// GGUF `rope_freqs` as llama.cpp's converter computes them (in f32,
+    /// from Llama 3.1's parameters) are written back as those parameters;
+    /// other divisors are refused, naming `rope_freqs`.
+    #[test]
+    fn rope_freqs_convert_to_the_llama3_scaling_they_equal() {
+        let (base, d) = (500000.0f32, 128usize);
+        let (factor, low, high, old) = (8.0f32, 1.0f32, 4.0f32, 8192.0f32);
+        // llama.cpp's convert_hf_to_gguf formula, in f32.
+        let factors: Vec<f32> = (0..d / 2)
+            .map(|i| {
+                let freq = 1.0 / base.powf((2 * i) as f32 / d as f32);
+                let wavelen = 2.0 * std::f32::consts::PI / freq;
+                if wavelen < old / high {
+                    1.0
+                } else if wavelen > old / low {
+                    factor
+                } else {
+                    let smooth = (old / wavelen - low) / (high - low);
+                    1.0 / ((1.0 - smooth) / factor + smooth)
+                }
+            })
+            .collect();
+        assert!(
+            factors.iter().any(|f| *f > 1.0 && *f < factor),
+            "a blended frequency"
+        );
+        let got = llama3_scaling_of(&factors, base, d).expect("recognised");
+        assert_eq!(
+            got,
+            RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192,
+            }
+        );
+        let cfg = ModelConfig {
+            architecture: crate::family::by_gguf_name("llama").expect("a family"),
+            head_dim: d,
+            rope_theta: base,
+            rope_freq_factors: Some(factors.clone()),
+            ..gemma2_like()
+        };
+        let json = hf_config_json(&cfg, OutputDtype::F32).unwrap();
+        assert_eq!(json["rope_scaling"]["rope_type"], "llama3");
+        assert_eq!(json["rope_scaling"]["factor"], 8.0);
+        let mut odd = factors;
+        odd[3] *= 1.5;
+        let err = hf_config_json(
+            &ModelConfig {
+                rope_freq_factors: Some(odd),
+                ..cfg
+            },
+            OutputDtype::F32,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("rope_freqs"), "{err}");
     }
 
     #[test]

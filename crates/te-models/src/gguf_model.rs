@@ -11,6 +11,7 @@ use crate::config::{plausible_layers, Common, ModelConfig};
 use crate::family::{self, GgufKeys, Shared};
 use crate::{ModelError, Result};
 use te_formats::gguf::GgufFile;
+use te_formats::TensorSource;
 
 /// Whether some `blk.N.<role>.bias` tensor with `role` in `roles` exists
 /// (llama.cpp's optional projection biases).
@@ -28,8 +29,12 @@ fn has_layer_bias(f: &GgufFile, roles: &[&str]) -> bool {
 /// family shares here, the rest from the family ([`crate::family::Family::from_gguf`]).
 ///
 /// Errors: `general.architecture` not a family te-rs runs (named); a
-/// required key missing or of the wrong type (named); Llama 3
-/// `rope_freqs` scaling tensors (not supported yet).
+/// required key missing or of the wrong type (named); a mixture of experts
+/// (`<arch>.expert_count`), partial rotary (`<arch>.rope.dimension_count`
+/// below the head dim) or an unknown `rope.scaling.type` (named).
+///
+/// `rope_freqs.weight` (llama.cpp's Llama 3.1 scaling: one divisor per
+/// frequency) is read into [`ModelConfig::rope_freq_factors`].
 pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
     let arch_name = f.get_str("general.architecture")?.to_string();
     let architecture =
@@ -59,13 +64,27 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
             })
         }
     };
-    if f.tensor_info("rope_freqs.weight").is_some() {
-        return Err(ModelError::Tensor {
-            tensor: "rope_freqs.weight".into(),
-            reason: "per-frequency RoPE scaling factors are not supported yet".into(),
+    if let Some(n) = k.opt_usize("expert_count")?.filter(|n| *n > 0) {
+        return Err(ModelError::Config {
+            field: key("expert_count"),
+            reason: format!("{n} experts: mixture-of-experts models are not supported"),
         });
     }
+    if let Some(n) = k
+        .opt_usize("rope.dimension_count")?
+        .filter(|n| *n != head_dim)
+    {
+        return Err(ModelError::Config {
+            field: key("rope.dimension_count"),
+            reason: format!("{n} of head_dim {head_dim}: te-rs rotates the whole head only"),
+        });
+    }
+    let rope_freq_factors = match f.tensor_info("rope_freqs.weight") {
+        None => None,
+        Some(_) => Some(f.load("rope_freqs.weight")?.1),
+    };
     let rope_theta = k.opt_f32("rope.freq_base")?.unwrap_or(10000.0);
+    let context_length = k.usize("context_length")?;
     let rope_scaling = match f.metadata(&key("rope.scaling.type")) {
         None => RopeScaling::None,
         Some(_) => match f.get_str(&key("rope.scaling.type"))? {
@@ -73,10 +92,27 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
             "linear" => RopeScaling::Linear {
                 factor: f.get_f32(&key("rope.scaling.factor"))? as f64,
             },
+            "yarn" => {
+                let factor = f.get_f32(&key("rope.scaling.factor"))? as f64;
+                let opt = |name: &str, default: f64| -> Result<f64> {
+                    Ok(k.opt_f32(name)?.map_or(default, |v| v as f64))
+                };
+                RopeScaling::Yarn {
+                    factor,
+                    original_max_position_embeddings: k
+                        .opt_usize("rope.scaling.original_context_length")?
+                        .unwrap_or(context_length),
+                    beta_fast: opt("rope.scaling.yarn_beta_fast", 32.0)?,
+                    beta_slow: opt("rope.scaling.yarn_beta_slow", 1.0)?,
+                    attention_factor: RopeScaling::yarn_mscale(factor, 1.0)
+                        * opt("rope.scaling.attn_factor", 1.0)?,
+                    truncate: true,
+                }
+            }
             other => {
                 return Err(ModelError::Config {
                     field: key("rope.scaling.type"),
-                    reason: format!("unsupported `{other}` (supported: none, linear)"),
+                    reason: format!("unsupported `{other}` (supported: none, linear, yarn)"),
                 })
             }
         },
@@ -113,13 +149,15 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
             rms_norm_eps: k
                 .opt_f32("attention.layer_norm_rms_epsilon")?
                 .unwrap_or(1e-6),
-            max_position_embeddings: k.usize("context_length")?,
+            max_position_embeddings: context_length,
             rope_theta,
             rope_scaling,
+            rope_freq_factors,
             rope_convention: fam.gguf_rope_convention,
             hidden_activation: fam.activation,
             tie_word_embeddings: f.tensor_info("output.weight").is_none(),
-            attention_bias: has_layer_bias(f, &["attn_q", "attn_k", "attn_v", "attn_output"]),
+            attention_bias: has_layer_bias(f, &["attn_output"]),
+            qkv_bias: has_layer_bias(f, &["attn_q", "attn_k", "attn_v"]),
             mlp_bias: has_layer_bias(f, &["ffn_gate", "ffn_up", "ffn_down"]),
             bos_token_id,
             eos_token_ids,

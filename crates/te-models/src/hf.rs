@@ -24,6 +24,25 @@ pub fn config_from_json_text(path: &Path, text: &str) -> Result<ModelConfig> {
     config_from_raw(&hf_config_from_text(path, text)?)
 }
 
+/// `max_position_embeddings` when `config.json` has none.
+const DEFAULT_CONTEXT: usize = 8192;
+
+/// The context the model runs: `max_position_embeddings`, or with YaRN
+/// `original_max_position_embeddings * factor` when that is longer (the
+/// context YaRN is set up for: Qwen2.5's `factor` 4 over 32768 gives
+/// 131072).
+fn context(max_position_embeddings: Option<usize>, scaling: RopeScaling) -> usize {
+    let base = max_position_embeddings.unwrap_or(DEFAULT_CONTEXT);
+    match scaling {
+        RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            ..
+        } => base.max((original_max_position_embeddings as f64 * factor) as usize),
+        _ => base,
+    }
+}
+
 fn config_from_raw(raw: &HfConfig) -> Result<ModelConfig> {
     let model_type = field(raw.model_type.clone(), "model_type")?;
     let architecture = family::by_hf_model_type(&model_type).ok_or_else(|| ModelError::Config {
@@ -65,11 +84,33 @@ fn config_from_raw(raw: &HfConfig) -> Result<ModelConfig> {
                         "rope_scaling.original_max_position_embeddings",
                     )?,
                 },
+                "yarn" => {
+                    let factor = factor()?;
+                    let mscale = |m: f64| RopeScaling::yarn_mscale(factor, m);
+                    let attention_factor = match (s.attention_factor, s.mscale, s.mscale_all_dim) {
+                        (Some(a), _, _) => a,
+                        (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => {
+                            mscale(m) / mscale(all)
+                        }
+                        _ => mscale(1.0),
+                    };
+                    RopeScaling::Yarn {
+                        factor,
+                        original_max_position_embeddings: s
+                            .original_max_position_embeddings
+                            .or(raw.max_position_embeddings)
+                            .unwrap_or(DEFAULT_CONTEXT),
+                        beta_fast: s.beta_fast.unwrap_or(32.0),
+                        beta_slow: s.beta_slow.unwrap_or(1.0),
+                        attention_factor,
+                        truncate: s.truncate.unwrap_or(true),
+                    }
+                }
                 other => {
                     return Err(ModelError::Config {
                         field: "rope_scaling.rope_type".into(),
                         reason: format!(
-                            "unsupported `{other}` (supported: default, linear, llama3)"
+                            "unsupported `{other}` (supported: default, linear, llama3, yarn)"
                         ),
                     })
                 }
@@ -93,6 +134,23 @@ fn config_from_raw(raw: &HfConfig) -> Result<ModelConfig> {
             })
         }
     };
+    if let Some(p) = raw.partial_rotary_factor.filter(|p| *p != 1.0) {
+        return Err(ModelError::Config {
+            field: "partial_rotary_factor".into(),
+            reason: format!("{p}: te-rs rotates the whole head (1.0) only"),
+        });
+    }
+    for (name, experts) in [
+        ("num_experts", raw.num_experts),
+        ("num_local_experts", raw.num_local_experts),
+    ] {
+        if let Some(n) = experts.filter(|n| *n > 0) {
+            return Err(ModelError::Config {
+                field: name.into(),
+                reason: format!("{n} experts: mixture-of-experts models are not supported"),
+            });
+        }
+    }
     let shared = Shared {
         hidden_size,
         num_attention_heads,
@@ -112,15 +170,17 @@ fn config_from_raw(raw: &HfConfig) -> Result<ModelConfig> {
             intermediate_size: field(raw.intermediate_size, "intermediate_size")?,
             num_key_value_heads: raw.num_key_value_heads.unwrap_or(num_attention_heads),
             rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6) as f32,
-            max_position_embeddings: raw.max_position_embeddings.unwrap_or(8192),
+            max_position_embeddings: context(raw.max_position_embeddings, rope_scaling),
             rope_theta,
             rope_scaling,
+            rope_freq_factors: None,
             rope_convention: RopeConvention::HalfSplit,
             hidden_activation,
             tie_word_embeddings: raw
                 .tie_word_embeddings
                 .unwrap_or(fam.default_tie_word_embeddings),
             attention_bias: raw.attention_bias.unwrap_or(false),
+            qkv_bias: false,
             mlp_bias: raw.mlp_bias.unwrap_or(false),
             bos_token_id,
             eos_token_ids,

@@ -56,13 +56,26 @@ impl RopeTables {
     /// each block of positions alone), so a smaller table is a bitwise
     /// prefix of a larger one and growing changes no result.
     pub fn new(config: &ModelConfig, positions: usize) -> Result<Self> {
-        let table = |base: f32, scaling: RopeScaling| {
-            RopeTable::new(&RopeFreqs {
-                base: base as f64,
-                rotary_dim: config.head_dim,
-                max_positions: positions,
-                scaling,
-            })
+        let freqs = |base: f32, scaling: RopeScaling| RopeFreqs {
+            base: base as f64,
+            rotary_dim: config.head_dim,
+            max_positions: positions,
+            scaling,
+        };
+        let table = |base: f32, scaling: RopeScaling| RopeTable::new(&freqs(base, scaling));
+        // GGUF `rope_freqs` divide the global layers' frequencies.
+        let global = match &config.rope_freq_factors {
+            None => table(config.rope_theta, config.rope_scaling)?,
+            Some(factors) => {
+                let f = freqs(config.rope_theta, config.rope_scaling);
+                let inv: Vec<f64> = f
+                    .inv_freqs()
+                    .iter()
+                    .zip(factors)
+                    .map(|(inv, div)| inv / *div as f64)
+                    .collect();
+                RopeTable::from_inv_freqs(&inv, positions, config.rope_scaling.attention_factor())?
+            }
         };
         // Gemma 3's local layers use their own base, always unscaled (Hugging
         // Face `rope_local_base_freq`, rope_type "default"); other families
@@ -75,10 +88,7 @@ impl RopeTables {
         } else {
             None
         };
-        Ok(RopeTables {
-            global: table(config.rope_theta, config.rope_scaling)?,
-            local,
-        })
+        Ok(RopeTables { global, local })
     }
 
     /// Positions covered.

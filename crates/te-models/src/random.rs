@@ -56,10 +56,10 @@ pub struct Preset {
 }
 
 /// The presets. The full-size ones carry the numbers of the published
-/// `config.json` of `google/gemma-7b`, `meta-llama/Meta-Llama-3-8B` and
-/// `google/gemma-3-1b-pt`; the tiny ones are small members of each family
-/// with every feature it has (GQA, Llama 3 RoPE scaling, sliding windows,
-/// softcaps, q/k norms, a separate local RoPE base), sized so a test runs
+/// `config.json` of `google/gemma-7b`, `meta-llama/Meta-Llama-3-8B`,
+/// `google/gemma-3-1b-pt`, `Qwen/Qwen2.5-7B` and `Qwen/Qwen3-8B`; the tiny ones are small members of each family
+/// with every feature it has (GQA, Llama 3 RoPE scaling, YaRN, sliding
+/// windows, softcaps, q/k norms, q/k/v biases, a separate local RoPE base), sized so a test runs
 /// them in milliseconds. Their softcaps are small enough to bite at unit-scale
 /// activations (Gemma 2 itself uses 50 and 30).
 pub const PRESETS: &[Preset] = &[
@@ -101,6 +101,33 @@ pub const PRESETS: &[Preset] = &[
   "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": null,
   "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
   "torch_dtype": "bfloat16", "vocab_size": 262144
+}"#,
+    },
+    Preset {
+        name: "qwen2.5-7b",
+        about: "Qwen2.5 7B (Qwen/Qwen2.5-7B config), 7.6B parameters",
+        config_json: r#"{
+  "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+  "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu",
+  "hidden_size": 3584, "intermediate_size": 18944, "max_position_embeddings": 131072,
+  "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28,
+  "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+  "sliding_window": 131072, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+  "use_sliding_window": false, "vocab_size": 152064
+}"#,
+    },
+    Preset {
+        name: "qwen3-8b",
+        about: "Qwen3 8B (Qwen/Qwen3-8B config), 8.2B parameters",
+        config_json: r#"{
+  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+  "attention_bias": false, "bos_token_id": 151643, "eos_token_id": 151645,
+  "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 12288,
+  "max_position_embeddings": 40960, "max_window_layers": 36, "num_attention_heads": 32,
+  "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+  "rope_scaling": null, "rope_theta": 1000000, "sliding_window": null,
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16", "use_sliding_window": false,
+  "vocab_size": 151936
 }"#,
     },
     Preset {
@@ -150,6 +177,54 @@ pub const PRESETS: &[Preset] = &[
   "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
   "rope_scaling": {"rope_type": "linear", "factor": 2.0},
   "sliding_window": 4, "sliding_window_pattern": 2, "vocab_size": 320
+}"#,
+    },
+    Preset {
+        name: "tiny-llama3",
+        about: "a 2-layer Llama 3.2: GQA 8/2, Llama 3 RoPE scaling (factor 32), tied output",
+        config_json: r#"{
+  "model_type": "llama", "bos_token_id": 1, "eos_token_id": [2, 3],
+  "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 160, "head_dim": 8,
+  "max_position_embeddings": 1024, "num_attention_heads": 8, "num_hidden_layers": 2,
+  "num_key_value_heads": 2, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+  "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+  "tie_word_embeddings": true, "vocab_size": 320
+}"#,
+    },
+    Preset {
+        name: "tiny-mistral",
+        about: "a 2-layer Mistral: GQA 4/2, sliding window 4 on every layer",
+        config_json: r#"{
+  "model_type": "mistral", "bos_token_id": 1, "eos_token_id": 2,
+  "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 160, "head_dim": 16,
+  "max_position_embeddings": 1024, "num_attention_heads": 4, "num_hidden_layers": 2,
+  "num_key_value_heads": 2, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+  "sliding_window": 4, "tie_word_embeddings": false, "vocab_size": 320
+}"#,
+    },
+    Preset {
+        name: "tiny-qwen2",
+        about: "a 3-layer Qwen2: q/k/v biases, YaRN (factor 4 over 8 positions), sliding window 5 from layer 2, tied",
+        config_json: r#"{
+  "model_type": "qwen2", "bos_token_id": 1, "eos_token_id": 2,
+  "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 160,
+  "max_position_embeddings": 32, "num_attention_heads": 4, "num_hidden_layers": 3,
+  "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+  "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+  "use_sliding_window": true, "max_window_layers": 2, "sliding_window": 5,
+  "tie_word_embeddings": true, "vocab_size": 320
+}"#,
+    },
+    Preset {
+        name: "tiny-qwen3",
+        about: "a 2-layer Qwen3: q/k norms, head_dim 24 (heads x head_dim != hidden), GQA 4/2",
+        config_json: r#"{
+  "model_type": "qwen3", "bos_token_id": 1, "eos_token_id": 2, "attention_bias": false,
+  "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 160, "head_dim": 24,
+  "max_position_embeddings": 1024, "num_attention_heads": 4, "num_hidden_layers": 2,
+  "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+  "tie_word_embeddings": false, "vocab_size": 320
 }"#,
     },
 ];
@@ -532,6 +607,15 @@ mod tests {
         assert_eq!((g.num_attention_heads, g.num_key_value_heads), (16, 16));
         let l = cfg("llama-3-8b");
         assert_eq!((l.num_key_value_heads, l.vocab_size), (8, 128256));
+        let q = cfg("qwen2.5-7b");
+        assert_eq!(
+            (q.num_key_value_heads, q.head_dim, q.vocab_size),
+            (4, 128, 152064)
+        );
+        assert!(q.qkv_bias && !q.attention_bias && q.layer_windows.iter().all(Option::is_none));
+        let q3 = cfg("qwen3-8b");
+        assert_eq!((q3.head_dim, q3.num_hidden_layers), (128, 36));
+        assert!(q3.qk_norm && !q3.qkv_bias);
         let g3 = cfg("gemma-3-1b");
         assert_eq!(
             g3.layer_windows.iter().filter(|w| w.is_none()).count(),

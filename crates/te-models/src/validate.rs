@@ -142,8 +142,7 @@ fn expected_tensors_of_layers(
                 true,
                 format!("[{}, {}]", formula[0], formula[1]),
             );
-            let attention = matches!(*role, "q" | "k" | "v" | "o");
-            if (attention && cfg.attention_bias) || (!attention && cfg.mlp_bias) {
+            if cfg.has_bias(role) {
                 push(
                     names.layer_bias(i, role),
                     vec![shape[0]],
@@ -166,6 +165,14 @@ fn expected_tensors_of_layers(
         }
         let (s, fm) = vector(hidden, &f.hidden);
         push(names.layer(i, "ffn_norm"), s, true, fm);
+    }
+    if scheme == NameScheme::Gguf && cfg.rope_freq_factors.is_some() {
+        push(
+            "rope_freqs.weight".into(),
+            vec![d / 2],
+            true,
+            format!("[{} / 2]", f.head_dim),
+        );
     }
     let table = format!("[{}, {}]", f.vocab, f.hidden);
     push(

@@ -186,12 +186,10 @@ impl ModelWeights {
         for i in 0..cfg.num_hidden_layers {
             let n = |what: &str| names.layer(i, what);
             let proj = |what: &str| {
-                let biased = if matches!(what, "q" | "k" | "v" | "o") {
-                    cfg.attention_bias
-                } else {
-                    cfg.mlp_bias
-                };
-                matrix(&n(what), biased.then(|| names.layer_bias(i, what)))
+                matrix(
+                    &n(what),
+                    cfg.has_bias(what).then(|| names.layer_bias(i, what)),
+                )
             };
             layers.push(LayerWeights {
                 attn_norm: norm(&n("attn_norm"))?,

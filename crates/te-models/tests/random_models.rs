@@ -18,7 +18,16 @@ use te_models::random::{RandomModel, PRESETS};
 use te_models::source::{resolve_model, ModelSource};
 use tiny::{assert_rows_match, chunked, run_schedule, Family, RopeScaling, Spec, WindowEncoding};
 
-const TINY: [&str; 4] = ["tiny-llama", "tiny-gemma", "tiny-gemma2", "tiny-gemma3"];
+const TINY: [&str; 8] = [
+    "tiny-llama",
+    "tiny-llama3",
+    "tiny-mistral",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-gemma",
+    "tiny-gemma2",
+    "tiny-gemma3",
+];
 
 fn random(spec: &str) -> RandomModel {
     match resolve_model(spec).expect("resolves") {
@@ -29,13 +38,18 @@ fn random(spec: &str) -> RandomModel {
 
 /// The reference's [`Spec`] read straight from a preset's `config.json`
 /// with Hugging Face's defaults and layer rules (Gemma 2: even layers
-/// slide; Gemma 3: layer i slides unless `(i + 1) % pattern == 0`).
+/// slide; Gemma 3: layer i slides unless `(i + 1) % pattern == 0`;
+/// Mistral: every layer when `sliding_window` is set; Qwen: layers `i >=
+/// max_window_layers` when `use_sliding_window`).
 fn spec_of(config_json: &str) -> Spec {
     let c: Value = serde_json::from_str(config_json).unwrap();
     let n = |f: &str| c[f].as_u64().unwrap_or_else(|| panic!("{f}")) as usize;
     let f = |f: &str| c[f].as_f64();
     let family = match c["model_type"].as_str().unwrap() {
         "llama" => Family::Llama,
+        "mistral" => Family::Mistral,
+        "qwen2" => Family::Qwen2,
+        "qwen3" => Family::Qwen3,
         "gemma" => Family::Gemma,
         "gemma2" => Family::Gemma2,
         "gemma3_text" => Family::Gemma3,
@@ -44,13 +58,17 @@ fn spec_of(config_json: &str) -> Spec {
     let layers = n("num_hidden_layers");
     let sliding_layers = match family {
         Family::Llama | Family::Gemma => vec![false; layers],
+        Family::Mistral => vec![c["sliding_window"].is_u64(); layers],
+        Family::Qwen2 | Family::Qwen3 => (0..layers)
+            .map(|i| c["use_sliding_window"] == true && i >= n("max_window_layers"))
+            .collect(),
         Family::Gemma2 => (0..layers).map(|i| i % 2 == 0).collect(),
         Family::Gemma3 => (0..layers)
             .map(|i| (i + 1) % n("sliding_window_pattern") != 0)
             .collect(),
     };
     let s = &c["rope_scaling"];
-    let rope_scaling = match s["rope_type"].as_str() {
+    let rope_scaling = match s["rope_type"].as_str().or(s["type"].as_str()) {
         None => None,
         Some("linear") => Some(RopeScaling::Linear {
             factor: s["factor"].as_f64().unwrap(),
@@ -59,6 +77,12 @@ fn spec_of(config_json: &str) -> Spec {
             factor: s["factor"].as_f64().unwrap(),
             low_freq_factor: s["low_freq_factor"].as_f64().unwrap(),
             high_freq_factor: s["high_freq_factor"].as_f64().unwrap(),
+            original_max_position_embeddings: s["original_max_position_embeddings"]
+                .as_u64()
+                .unwrap() as usize,
+        }),
+        Some("yarn") => Some(RopeScaling::Yarn {
+            factor: s["factor"].as_f64().unwrap(),
             original_max_position_embeddings: s["original_max_position_embeddings"]
                 .as_u64()
                 .unwrap() as usize,
@@ -73,15 +97,18 @@ fn spec_of(config_json: &str) -> Spec {
         num_hidden_layers: layers,
         num_attention_heads: n("num_attention_heads"),
         num_key_value_heads: n("num_key_value_heads"),
-        head_dim: n("head_dim"),
+        head_dim: c["head_dim"]
+            .as_u64()
+            .map_or(n("hidden_size") / n("num_attention_heads"), |d| d as usize),
         rms_norm_eps: f("rms_norm_eps").unwrap(),
         rope_theta: f("rope_theta").unwrap(),
         rope_local_base_freq: f("rope_local_base_freq"),
         rope_scaling,
         max_position_embeddings: n("max_position_embeddings"),
-        tie_word_embeddings: c["tie_word_embeddings"]
-            .as_bool()
-            .unwrap_or(family != Family::Llama),
+        tie_word_embeddings: c["tie_word_embeddings"].as_bool().unwrap_or(matches!(
+            family,
+            Family::Gemma | Family::Gemma2 | Family::Gemma3
+        )),
         query_pre_attn_scalar: f("query_pre_attn_scalar"),
         attn_logit_softcapping: f("attn_logit_softcapping"),
         final_logit_softcapping: f("final_logit_softcapping"),
@@ -156,6 +183,26 @@ fn check_against_reference(spec: &str) {
 fn tiny_llama_matches_f64_reference() {
     check_against_reference("random:tiny-llama");
     check_against_reference("random:tiny-llama?seed=11");
+}
+
+#[test]
+fn tiny_llama3_matches_f64_reference() {
+    check_against_reference("random:tiny-llama3?seed=12");
+}
+
+#[test]
+fn tiny_mistral_matches_f64_reference() {
+    check_against_reference("random:tiny-mistral?seed=13");
+}
+
+#[test]
+fn tiny_qwen2_matches_f64_reference() {
+    check_against_reference("random:tiny-qwen2?seed=14");
+}
+
+#[test]
+fn tiny_qwen3_matches_f64_reference() {
+    check_against_reference("random:tiny-qwen3?seed=15");
 }
 
 #[test]

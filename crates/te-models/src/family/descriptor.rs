@@ -40,12 +40,19 @@ pub struct Family {
     pub hf_norm_offset: f32,
     /// The embedding is multiplied by sqrt(hidden_size) (Gemma).
     pub scale_embedding: bool,
-    /// Per-head RMSNorm of q and k before RoPE (Gemma 3).
+    /// Per-head RMSNorm of q and k before RoPE (Gemma 3, Qwen3).
     pub qk_norm: bool,
+    /// Biases on the q, k and v projections whatever `config.json` says
+    /// (Qwen2: Hugging Face's `Qwen2Attention` always has them, and no
+    /// bias on o).
+    pub qkv_bias: bool,
     /// Norms after attention and after the MLP too (Gemma 2/3: four per
     /// layer; Hugging Face calls the pre-MLP one
     /// `pre_feedforward_layernorm`).
     pub sandwich_norms: bool,
+    /// `config.json` turns sliding windows on with `use_sliding_window`
+    /// (Qwen2/3), which `te convert` writes.
+    pub hf_use_sliding_window: bool,
     /// The sliding-window layers rotate with their own, unscaled table
     /// (Gemma 3's `rope_local_base_freq`, rope_type "default").
     pub local_rope_unscaled: bool,

@@ -20,7 +20,15 @@ macro_rules! families {
 }
 
 // The registration: one entry per family file.
-families!(llama::LLAMA, gemma::GEMMA, gemma2::GEMMA2, gemma3::GEMMA3);
+families!(
+    llama::LLAMA,
+    mistral::MISTRAL,
+    qwen2::QWEN2,
+    qwen3::QWEN3,
+    gemma::GEMMA,
+    gemma2::GEMMA2,
+    gemma3::GEMMA3,
+);
 
 /// The family whose GGUF `general.architecture` is `name`.
 pub fn by_gguf_name(name: &str) -> Option<Architecture> {

@@ -29,6 +29,9 @@ use te_models::weights::ModelWeights;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Family {
     Llama,
+    Mistral,
+    Qwen2,
+    Qwen3,
     Gemma,
     Gemma2,
     Gemma3,
@@ -38,6 +41,9 @@ impl Family {
     fn model_type(self) -> &'static str {
         match self {
             Family::Llama => "llama",
+            Family::Mistral => "mistral",
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
             Family::Gemma => "gemma",
             Family::Gemma2 => "gemma2",
             Family::Gemma3 => "gemma3_text",
@@ -45,7 +51,12 @@ impl Family {
     }
 
     fn is_gemma(self) -> bool {
-        self != Family::Llama
+        matches!(self, Family::Gemma | Family::Gemma2 | Family::Gemma3)
+    }
+
+    /// Per-head RMSNorm of q and k before RoPE (Gemma 3, Qwen3).
+    fn qk_norm(self) -> bool {
+        matches!(self, Family::Gemma3 | Family::Qwen3)
     }
 
     /// Gemma 2/3: post-attention and post-feedforward norms.
@@ -66,6 +77,13 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: usize,
     },
+    /// `rope_type: "yarn"` with Hugging Face's defaults for the rest
+    /// (beta_fast 32, beta_slow 1, attention factor `0.1 ln(factor) + 1`,
+    /// truncated correction range).
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: usize,
+    },
 }
 
 /// Dtype the safetensors file stores the weights in.
@@ -84,8 +102,12 @@ pub enum WindowEncoding {
     /// Gemma 3 `sliding_window_pattern: N` (layer i slides unless
     /// `(i + 1) % N == 0`).
     Pattern(usize),
-    /// Nothing written: Gemma 2's default (even layers slide).
+    /// Nothing written: Gemma 2's default (even layers slide); Mistral:
+    /// every layer slides when `sliding_window` is written.
     Implicit,
+    /// Qwen2/3: `use_sliding_window: true` and `max_window_layers: N`
+    /// (layers `i >= N` slide).
+    UseSlidingWindow(usize),
 }
 
 /// A tiny model: config fields (Hugging Face names) plus how to write it.
@@ -216,6 +238,43 @@ impl Spec {
         }
     }
 
+    /// Qwen2: biases on q/k/v (not o), SwiGLU, tied, GQA 4:2, base 1e6.
+    pub fn qwen2() -> Self {
+        Spec {
+            family: Family::Qwen2,
+            rope_theta: 1e6,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: true,
+            seed: 21,
+            ..Spec::llama()
+        }
+    }
+
+    /// Qwen3: q/k norms, `head_dim` 24 with `heads * head_dim != hidden`,
+    /// untied.
+    pub fn qwen3() -> Self {
+        Spec {
+            family: Family::Qwen3,
+            head_dim: 24,
+            rope_theta: 1e6,
+            rms_norm_eps: 1e-6,
+            qk_gain: 2.0,
+            seed: 22,
+            ..Spec::llama()
+        }
+    }
+
+    /// Mistral: a sliding window of 5 keys on every layer.
+    pub fn mistral() -> Self {
+        Spec {
+            family: Family::Mistral,
+            sliding_window: Some(5),
+            sliding_layers: vec![true; 2],
+            seed: 23,
+            ..Spec::llama()
+        }
+    }
+
     /// `config.json` as Hugging Face writes it.
     fn config_json(&self) -> serde_json::Value {
         let mut c = serde_json::json!({
@@ -238,7 +297,7 @@ impl Spec {
         });
         let o = c.as_object_mut().expect("object");
         match self.family {
-            Family::Llama => {
+            Family::Llama | Family::Mistral | Family::Qwen2 | Family::Qwen3 => {
                 o.insert("hidden_act".into(), "silu".into());
             }
             // Gemma 1 configs say `gelu` and mean the tanh approximation.
@@ -279,6 +338,10 @@ impl Spec {
             WindowEncoding::Pattern(n) => {
                 o.insert("sliding_window_pattern".into(), n.into());
             }
+            WindowEncoding::UseSlidingWindow(n) => {
+                o.insert("use_sliding_window".into(), true.into());
+                o.insert("max_window_layers".into(), n.into());
+            }
             WindowEncoding::Implicit => {}
         }
         match self.rope_scaling {
@@ -302,6 +365,19 @@ impl Spec {
                         "factor": factor,
                         "low_freq_factor": low_freq_factor,
                         "high_freq_factor": high_freq_factor,
+                        "original_max_position_embeddings": original_max_position_embeddings,
+                    }),
+                );
+            }
+            Some(RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+            }) => {
+                o.insert(
+                    "rope_scaling".into(),
+                    serde_json::json!({
+                        "type": "yarn",
+                        "factor": factor,
                         "original_max_position_embeddings": original_max_position_embeddings,
                     }),
                 );
@@ -397,10 +473,12 @@ fn random_tensors(spec: &Spec) -> Vec<Tensor> {
     };
     for l in 0..spec.num_hidden_layers {
         let p = |s: &str| format!("model.layers.{l}.{s}.bias");
-        if spec.attention_bias {
+        if spec.attention_bias || spec.family == Family::Qwen2 {
             out.push(bias(p("self_attn.q_proj"), hq * d));
             out.push(bias(p("self_attn.k_proj"), hkv * d));
             out.push(bias(p("self_attn.v_proj"), hkv * d));
+        }
+        if spec.attention_bias {
             out.push(bias(p("self_attn.o_proj"), hid));
         }
         if spec.mlp_bias {
@@ -423,7 +501,7 @@ fn random_tensors(spec: &Spec) -> Vec<Tensor> {
             out.push(norm(p("pre_feedforward_layernorm"), hid));
             out.push(norm(p("post_feedforward_layernorm"), hid));
         }
-        if spec.family == Family::Gemma3 {
+        if spec.family.qk_norm() {
             out.push(norm(p("self_attn.q_norm"), d));
             out.push(norm(p("self_attn.k_norm"), d));
         }
@@ -608,6 +686,32 @@ fn inv_freqs(base: f64, d: usize, scaling: Option<RopeScaling>) -> Vec<f64> {
     match scaling {
         None => plain.collect(),
         Some(RopeScaling::Linear { factor }) => plain.map(|f| f / factor).collect(),
+        Some(RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+        }) => {
+            // `_compute_yarn_parameters`: the correction range of beta_fast
+            // 32 and beta_slow 1 rotations, floored and ceiled, then a
+            // linear ramp between interpolation and extrapolation.
+            let dim = d as f64;
+            let corr = |rotations: f64| {
+                dim * (original_max_position_embeddings as f64
+                    / (rotations * 2.0 * std::f64::consts::PI))
+                    .ln()
+                    / (2.0 * base.ln())
+            };
+            let low = corr(32.0).floor().max(0.0);
+            let high = corr(1.0).ceil().min(dim - 1.0);
+            let high = if low == high { high + 0.001 } else { high };
+            plain
+                .enumerate()
+                .map(|(i, f)| {
+                    let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                    let extrapolation = 1.0 - ramp;
+                    f / factor * (1.0 - extrapolation) + f * extrapolation
+                })
+                .collect()
+        }
         Some(RopeScaling::Llama3 {
             factor,
             low_freq_factor,
@@ -640,13 +744,24 @@ fn inv_freqs(base: f64, d: usize, scaling: Option<RopeScaling>) -> Vec<f64> {
     }
 }
 
-/// Half-split RoPE (`rotate_half`) of `x: [n, heads, d]` at positions 0..n.
-fn rope(x: &mut [f64], heads: usize, d: usize, inv_freq: &[f64]) {
+/// YaRN's `attention_scaling` (`0.1 ln(factor) + 1`), which multiplies
+/// `cos` and `sin`; 1 for the other scalings.
+fn attention_scaling(scaling: Option<RopeScaling>) -> f64 {
+    match scaling {
+        Some(RopeScaling::Yarn { factor, .. }) if factor > 1.0 => 0.1 * factor.ln() + 1.0,
+        _ => 1.0,
+    }
+}
+
+/// Half-split RoPE (`rotate_half`) of `x: [n, heads, d]` at positions 0..n,
+/// with `cos` and `sin` times `m`.
+fn rope(x: &mut [f64], heads: usize, d: usize, inv_freq: &[f64], m: f64) {
     let half = d / 2;
     for (pos, token) in x.chunks_mut(heads * d).enumerate() {
         for head in token.chunks_mut(d) {
             for i in 0..half {
                 let (sin, cos) = (pos as f64 * inv_freq[i]).sin_cos();
+                let (sin, cos) = (sin * m, cos * m);
                 let (a, b) = (head[i], head[i + half]);
                 head[i] = a * cos - b * sin;
                 head[i + half] = b * cos + a * sin;
@@ -704,23 +819,27 @@ pub fn reference_logits(
             linear_bias(x, w(&p(s)), biased.then(|| w(&b)), out)
         };
         let (ab, mb) = (spec.attention_bias, spec.mlp_bias);
+        let qkv_b = ab || spec.family == Family::Qwen2;
         let sliding = spec.sliding_layers[l];
         // Attention block.
         let xn = norm(&x, &p("input_layernorm"));
-        let mut q = proj(&xn, "self_attn.q_proj", hq * d, ab); // [n, hq, d]
-        let mut k = proj(&xn, "self_attn.k_proj", hkv * d, ab); // [n, hkv, d]
-        let v = proj(&xn, "self_attn.v_proj", hkv * d, ab); // [n, hkv, d]
-        if spec.family == Family::Gemma3 {
+        let mut q = proj(&xn, "self_attn.q_proj", hq * d, qkv_b); // [n, hq, d]
+        let mut k = proj(&xn, "self_attn.k_proj", hkv * d, qkv_b); // [n, hkv, d]
+        let v = proj(&xn, "self_attn.v_proj", hkv * d, qkv_b); // [n, hkv, d]
+        if spec.family.qk_norm() {
             q = norm(&q, &p("self_attn.q_norm"));
             k = norm(&k, &p("self_attn.k_norm"));
         }
         // Gemma 3 sliding layers: their own base, no scaling.
-        let inv_freq = match (spec.rope_local_base_freq, sliding) {
-            (Some(local), true) => inv_freqs(local, d, None),
-            _ => inv_freqs(spec.rope_theta, d, spec.rope_scaling),
+        let (inv_freq, m) = match (spec.rope_local_base_freq, sliding) {
+            (Some(local), true) => (inv_freqs(local, d, None), 1.0),
+            _ => (
+                inv_freqs(spec.rope_theta, d, spec.rope_scaling),
+                attention_scaling(spec.rope_scaling),
+            ),
         };
-        rope(&mut q, hq, d, &inv_freq);
-        rope(&mut k, hkv, d, &inv_freq);
+        rope(&mut q, hq, d, &inv_freq, m);
+        rope(&mut k, hkv, d, &inv_freq, m);
         let softmax_scale = 1.0 / spec.query_pre_attn_scalar.unwrap_or(d as f64).sqrt();
         let mut attn = vec![0.0; n * hq * d]; // [n, hq, d]
         for i in 0..n {
@@ -906,6 +1025,121 @@ pub fn assert_rows_match(
             }
         }
     }
+}
+
+// ------------------------------------------------------ feeding modes
+
+pub fn paged(page_size: usize) -> CacheLayout {
+    CacheLayout::Paged {
+        page_size,
+        total_num_pages: 64,
+    }
+}
+
+/// Two random prompts for `ck`: `len` tokens and about two thirds of that.
+pub fn prompts(ck: &Checkpoint, len: usize) -> Vec<Vec<u32>> {
+    let mut rng = Rng::new(ck.spec.seed + 1000);
+    let vocab = ck.spec.vocab_size;
+    vec![rng.tokens(len, vocab), rng.tokens(len * 2 / 3 + 1, vocab)]
+}
+
+/// Runs every feeding mode on `ck` with a prompt of `len` tokens (and a
+/// second, shorter one for the batched runs) and checks each logits row
+/// against the f64 reference.
+pub fn check_all_modes(ck: &Checkpoint, len: usize) {
+    check_model_all_modes(ck, &ck.load().expect("load tiny checkpoint"), len, "");
+}
+
+/// [`check_all_modes`] on `model`, a model of `ck`'s weights loaded some
+/// other way (`how` names it in failures: "GGUF").
+pub fn check_model_all_modes(ck: &Checkpoint, model: &Model, len: usize, how: &str) {
+    let prompts = prompts(ck, len);
+    let reference: Vec<_> = prompts.iter().map(|p| ck.reference(p)).collect();
+    let (a, b) = (prompts[0].len(), prompts[1].len());
+    let one = |sizes: &[usize]| chunked(a, sizes);
+    let two = |sizes: [&[usize]; 2], joins| ragged(&[a, b], &sizes, joins);
+    let contiguous = CacheLayout::Contiguous;
+    let cases = [
+        Case("one prefill", contiguous, one(&[a]), 1, Logits::All),
+        Case(
+            "chunked prefill",
+            contiguous,
+            one(&[3, 1, 5, 2, 7, 4, 6]),
+            1,
+            Logits::All,
+        ),
+        Case(
+            "chunked prefill, paged",
+            paged(4),
+            one(&[5, 3, 6]),
+            1,
+            Logits::All,
+        ),
+        Case(
+            "prefill 5 then decode",
+            contiguous,
+            one(&[5, 1]),
+            1,
+            Logits::Last,
+        ),
+        Case(
+            "token by token, paged",
+            paged(4),
+            one(&[1]),
+            1,
+            Logits::Last,
+        ),
+        Case(
+            "ragged batch, paged",
+            paged(3),
+            two([&[6, 1, 3, 2], &[4, 2, 1]], &[0, 1]),
+            2,
+            Logits::All,
+        ),
+        Case(
+            "ragged batch decode",
+            contiguous,
+            two([&[2, 1], &[3, 1]], &[0, 2]),
+            2,
+            Logits::Last,
+        ),
+    ];
+    for Case(what, layout, steps, n, logits) in cases {
+        let what = format!("{:?} {how} {what}", ck.spec.family);
+        let rows = run_schedule(model, layout, &prompts[..n], &steps, logits)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_rows_match(&rows, &reference[..n], logits == Logits::All, &what);
+    }
+}
+
+/// One feeding mode of [`check_all_modes`]: name, cache layout, steps,
+/// how many of the prompts they feed, which logits.
+pub struct Case(&'static str, CacheLayout, Vec<Step>, usize, Logits);
+
+/// Reference logits of `spec`'s weights under a modified spec (a feature
+/// switched off), to show that the feature changes the result.
+pub fn reference_with(
+    ck: &Checkpoint,
+    tokens: &[u32],
+    change: impl FnOnce(&mut Spec),
+) -> Vec<Vec<f64>> {
+    let mut spec = ck.spec.clone();
+    change(&mut spec);
+    reference_logits(&spec, &ck.weights, tokens)
+}
+
+/// Asserts that switching `feature` off moves the reference logits of a
+/// `len`-token prompt by more than 0.05 (the test would be vacuous
+/// otherwise).
+pub fn assert_feature_bites(
+    ck: &Checkpoint,
+    len: usize,
+    feature: &str,
+    off: impl FnOnce(&mut Spec),
+) {
+    let tokens = &prompts(ck, len)[0];
+    let diff = max_abs_diff(&ck.reference(tokens), &reference_with(ck, tokens, off));
+    assert!(diff > 0.05, "{feature} changes the logits by only {diff}");
 }
 
 /// Largest |a - b| over two sets of reference logits (to show that a
