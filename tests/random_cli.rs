@@ -8,7 +8,16 @@ mod common;
 
 use common::{ids, te, te_json};
 
-const TINY: [&str; 4] = ["tiny-llama", "tiny-gemma", "tiny-gemma2", "tiny-gemma3"];
+const TINY: [&str; 8] = [
+    "tiny-llama",
+    "tiny-llama3",
+    "tiny-mistral",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-gemma",
+    "tiny-gemma2",
+    "tiny-gemma3",
+];
 
 /// The prompts' token ids and the tokens generated for each, sampled at
 /// temperature 1 with sampler seed 3: greedy decoding of a random model with

@@ -341,3 +341,71 @@ fn unsupported_variants_are_refused_naming_the_field() {
         );
     }
 }
+
+/// Batch invariance on every family: a sequence fed the same chunks
+/// (a 7-token prefill, then decode; or chunks of 5, 3, then decode) gets
+/// the same logits bits alone in a contiguous cache as inside a ragged
+/// batch with another sequence that joins later, prefills beside its
+/// decode, or sits before it in the batch, in a paged cache.
+#[test]
+fn logits_are_bit_identical_alone_and_in_ragged_batches() {
+    use te_models::model::Logits;
+    use tiny::{chunked, paged, prompts, ragged, run_schedule, Rows};
+    let specs = [
+        Spec {
+            rope_scaling: Some(RopeScaling::Yarn {
+                factor: 4.0,
+                original_max_position_embeddings: 8,
+            }),
+            sliding_window: Some(5),
+            sliding_layers: vec![false, true],
+            window_encoding: WindowEncoding::UseSlidingWindow(1),
+            ..Spec::qwen2()
+        },
+        Spec::qwen3(),
+        Spec::mistral(),
+        Spec::llama(),
+    ];
+    let bits = |rows: &Rows| -> Vec<(usize, Vec<u32>)> {
+        rows.iter()
+            .map(|(pos, r)| (*pos, r.iter().map(|x| x.to_bits()).collect()))
+            .collect()
+    };
+    for spec in specs {
+        let ck = Checkpoint::write(spec);
+        let model = ck.load().expect("load");
+        let p = prompts(&ck, 18);
+        let (a, b) = (p[0].len(), p[1].len());
+        for sizes in [&[7usize, 1][..], &[5, 3, 1]] {
+            let alone = run_schedule(
+                &model,
+                te_cache::CacheLayout::Contiguous,
+                &p[..1],
+                &chunked(a, sizes),
+                Logits::All,
+            )
+            .unwrap();
+            let want = bits(&alone[0]);
+            // (sequence order, sizes of [first, second], joins, which is ours)
+            let cases: [(&str, [&[usize]; 2], [usize; 2], usize); 3] = [
+                ("other joins later", [sizes, &[b]], [0, 2], 0),
+                ("other prefills beside", [sizes, &[4, 1]], [0, 1], 0),
+                ("ours second", [&[3, 1], sizes], [0, 0], 1),
+            ];
+            for (what, chunk_sizes, joins, ours) in cases {
+                let (order, lens) = if ours == 0 {
+                    (vec![p[0].clone(), p[1].clone()], [a, b])
+                } else {
+                    (vec![p[1].clone(), p[0].clone()], [b, a])
+                };
+                let steps = ragged(&lens, &chunk_sizes, &joins);
+                let rows = run_schedule(&model, paged(3), &order, &steps, Logits::All).unwrap();
+                assert!(
+                    bits(&rows[ours]) == want,
+                    "{:?} chunks {sizes:?}, {what}: logits differ from alone",
+                    ck.spec.family
+                );
+            }
+        }
+    }
+}
