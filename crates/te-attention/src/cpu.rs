@@ -9,9 +9,11 @@
 //! group. Prefill units have one KV head and up to `TARGET_ROWS` rows.
 //! Decode units (at most `DIRECT_MAX_ROWS` rows per KV head) cover every KV
 //! head of the sequence, so a cache page's K and V rows are read front to
-//! back, once; when there are too few of them to keep every thread busy,
-//! their key ranges are split and the partial results merged by
-//! log-sum-exp (flash-decoding, Dao et al. 2023).
+//! back, once; past `SPLIT_KEYS` keys their key ranges are split into
+//! pieces of that many keys, run in parallel, and the partial results
+//! merged by log-sum-exp (flash-decoding, Dao et al. 2023). Where a unit
+//! splits depends on its own keys only, so a sequence's result does not
+//! depend on what else is in the batch.
 //!
 //! For each key tile of up to `BC` keys (only those some row of the unit
 //! can see), the K and V rows are read in place (any dtype, any cache page
@@ -47,11 +49,12 @@ const BC: usize = 128;
 /// K row with the head's query rows; larger ones get prefill units (one KV
 /// head, a register-tiled product `s^T = K q^T`).
 const DIRECT_MAX_ROWS: usize = 8;
-/// Decode units are split along their keys until there are this many units
-/// per thread ...
-const UNITS_PER_THREAD: usize = 4;
-/// ... but no piece gets fewer keys than this.
-const MIN_SPLIT_KEYS: i64 = 512;
+/// Decode units are split along their keys into pieces of this many keys
+/// (the last one shorter), counted from the unit's first visible key: a
+/// long decode gets parallel work, and where the pieces fall depends on
+/// the sequence alone, never on the batch or the thread count, so its
+/// result is the same bits in any batch.
+const SPLIT_KEYS: i64 = 1024;
 /// Score columns of the tiled path are padded to a multiple of this (a
 /// multiple of every instruction set's `NR`).
 const COL_PAD: usize = 32;
@@ -524,29 +527,21 @@ fn plan_units(plan: &Plan, attn: &DotProductAttention, units: &mut Vec<Unit>) {
     }
 }
 
-/// Splits decode units along their keys until every thread has
-/// [`UNITS_PER_THREAD`] units, pieces of at least [`MIN_SPLIT_KEYS`] keys;
-/// the pieces of one unit stay adjacent (merged in that order).
+/// Splits decode units along their keys into pieces of [`SPLIT_KEYS`]
+/// keys from their first visible key (a function of the unit alone); the
+/// pieces of one unit stay adjacent (merged in that order).
 fn split_keys(units: &mut Vec<Unit>, split: &mut Vec<Unit>, plan: &Plan, group: usize) {
-    let target = UNITS_PER_THREAD * rayon::current_num_threads();
-    if units.is_empty() || units.len() >= target {
-        return;
-    }
-    let pieces_per_unit = target.div_ceil(units.len()) as i64;
     split.clear();
     for &u in units.iter() {
         let (lo, hi) = (plan.bounds(u.b, u.i0).0, plan.bounds(u.b, u.i1 - 1).1);
-        let span = hi + 1 - lo;
-        let pieces = pieces_per_unit.min(span / MIN_SPLIT_KEYS).max(1);
-        if u.rows_per_head(group) > DIRECT_MAX_ROWS || pieces == 1 {
+        if u.rows_per_head(group) > DIRECT_MAX_ROWS || hi + 1 - lo <= SPLIT_KEYS {
             split.push(u);
             continue;
         }
-        let step = (span + pieces - 1) / pieces;
-        for k in (lo..=hi).step_by(step as usize) {
+        for k in (lo..=hi).step_by(SPLIT_KEYS as usize) {
             split.push(Unit {
                 k_lo: k,
-                k_hi: (k + step - 1).min(hi),
+                k_hi: (k + SPLIT_KEYS - 1).min(hi),
                 ..u
             });
         }
@@ -720,9 +715,9 @@ pub(crate) fn forward<T: Element, O: Element>(
         })
         .sum();
     let serial = macs < SERIAL_MACS;
-    if !serial {
-        split_keys(&mut bufs.units, &mut bufs.split, plan, group);
-    }
+    // Split whether or not the forward runs serially: the pieces, and so
+    // the bits, must not depend on the rest of the batch.
+    split_keys(&mut bufs.units, &mut bufs.split, plan, group);
     let dv = attn.head_dim_v;
     bufs.offsets.clear();
     bufs.offsets.push(0);

@@ -479,3 +479,71 @@ fn merge_with_empty_side_returns_other_side() {
         AttentionError::ShapeMismatch { arg: "out_b", .. }
     ));
 }
+
+/// A long decode (3000 keys, split into pieces across threads) gives the
+/// same output bits alone, beside nine other decodes, and beside a
+/// prefill, on one thread or two: where its keys split depends on the
+/// sequence alone.
+#[test]
+fn long_decode_is_the_same_bits_in_any_batch() {
+    let (hq, hkv, d) = (4usize, 2usize, 64usize);
+    let attn = DotProductAttention::new(hq, d)
+        .with_num_gqa_groups(hkv)
+        .with_attn_mask_type(AttnMaskType::PaddingCausalBottomRight)
+        .with_formats(QkvFormat::Thd, QkvFormat::Thd);
+    let value = |i: usize, m: usize| ((i * m % 1009) as f32 / 1009.0 - 0.5) * 2.0;
+    // Sequence s: sq[s] queries over skv[s] keys; ours is (1, 3000).
+    let run = |sq: &[usize], skv: &[usize], threads: usize| -> Vec<f32> {
+        let (tq, tk): (usize, usize) = (sq.iter().sum(), skv.iter().sum());
+        let cu = |lens: &[usize]| -> Vec<i32> {
+            std::iter::once(0)
+                .chain(lens.iter().scan(0, |acc, l| {
+                    *acc += *l as i32;
+                    Some(*acc)
+                }))
+                .collect()
+        };
+        let (cu_q, cu_kv) = (cu(sq), cu(skv));
+        // Our sequence is last; its data is the same whatever comes first.
+        let (q0, k0) = (tq - 1, tk - 3000);
+        let q: Vec<f32> = (0..tq * hq * d)
+            .map(|i| value(i + (1 << 20) - q0 * hq * d, 7919))
+            .collect();
+        let k: Vec<f32> = (0..tk * hkv * d)
+            .map(|i| value(i + (1 << 22) - k0 * hkv * d, 104729))
+            .collect();
+        let v: Vec<f32> = (0..tk * hkv * d)
+            .map(|i| value(i + (1 << 22) - k0 * hkv * d, 15485863))
+            .collect();
+        let meta = AttnMetadata {
+            batch: sq.len(),
+            max_seqlen_q: 0,
+            max_seqlen_kv: 0,
+            cu_seqlens_q: Some(&cu_q),
+            cu_seqlens_kv: Some(&cu_kv),
+        };
+        let mut out = vec![0f32; tq * hq * d];
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            attn.forward_cpu(&q, KvInput::Tensors { k: &k, v: &v }, &meta, &mut out, None)
+                .unwrap()
+        });
+        out[(tq - 1) * hq * d..].to_vec()
+    };
+    let bits = |x: Vec<f32>| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    let alone = bits(run(&[1], &[3000], 2));
+    let mut many_q = vec![1; 9];
+    let mut many_kv = vec![700; 9];
+    many_q.push(1);
+    many_kv.push(3000);
+    for (what, sq, skv, threads) in [
+        ("alone, one thread", vec![1], vec![3000], 1),
+        ("beside nine decodes", many_q, many_kv, 2),
+        ("beside a prefill", vec![40, 1], vec![40, 3000], 2),
+    ] {
+        assert!(bits(run(&sq, &skv, threads)) == alone, "{what}");
+    }
+}
