@@ -95,7 +95,7 @@ for t in "$here"/tests/*; do
 done
 
 step "2. tiny random models of every architecture: cuda against cpu (logits at bf16 tolerance, greedy tokens)"
-for m in tiny-llama tiny-gemma tiny-gemma2 tiny-gemma3; do
+for m in tiny-llama tiny-llama3 tiny-mistral tiny-qwen2 tiny-qwen3 tiny-gemma tiny-gemma2 tiny-gemma3; do
   cpu="$out/$m.cpu.jsonl"
   if "$te" generate --model "random:$m" --prompt "The GPU check" --prompt "ab" \
       --max-new-tokens 16 --ignore-eos --json -t "$threads" >"$cpu" 2>"$out/$m.cpu.err"; then
@@ -204,6 +204,7 @@ if [ "$dry" -eq 1 ]; then
     fail "--cuda-graphs on cpu" "see $out/decode.graphs-cpu.err"
   fi
   echo "   plan: te bench --device cuda --model random:gemma-7b ${decode[*]}, then the same with --cuda-graphs"
+  echo "   plan: te bench --device cuda --model random:qwen2.5-7b and random:qwen3-8b ${decode[*]}"
   if "$bandwidth_test" --list --ignored 2>/dev/null | grep '^kernel_bandwidth: test$' >/dev/null; then
     row "kernel bandwidth test" "listed" "cuda_model kernel_bandwidth"
   else
@@ -220,6 +221,15 @@ elif [ "$has_cuda_model" -eq 1 ]; then
       row "$label" "ok" "$(python3 -c "$tok_s" "$log")"
     else
       fail "$label" "see $log.err"
+    fi
+  done
+  # The full-size Qwen presets (q/k/v biases; q/k norms, head_dim 128).
+  for m in qwen2.5-7b qwen3-8b; do
+    log="$out/decode.$m.jsonl"
+    if "$te" bench --device cuda --model "random:$m" "${decode[@]}" >"$log" 2>"$log.err"; then
+      row "te decode $m" "ok" "$(python3 -c "$tok_s" "$log")"
+    else
+      fail "te decode $m" "see $log.err"
     fi
   done
   if "$bandwidth_test" --ignored --exact kernel_bandwidth --nocapture --test-threads=1 >"$out/bandwidth.txt" 2>&1; then

@@ -270,7 +270,16 @@ fn upload(model: &Model) -> Arc<CudaModel> {
 #[test]
 #[ignore = "needs a CUDA GPU: cargo xtask test --gpu"]
 fn tiny_models_cuda_match_cpu() {
-    for preset in ["tiny-llama", "tiny-gemma", "tiny-gemma2", "tiny-gemma3"] {
+    for preset in [
+        "tiny-llama",
+        "tiny-llama3",
+        "tiny-mistral",
+        "tiny-qwen2",
+        "tiny-qwen3",
+        "tiny-gemma",
+        "tiny-gemma2",
+        "tiny-gemma3",
+    ] {
         let model = tiny(preset);
         let gpu = upload(&model);
         // One prefill step of two prompts: last-token logits.
@@ -370,7 +379,16 @@ fn graph_run(preset: &str, batch: usize, graphs: bool, sampled: bool) -> Vec<Vec
 #[ignore = "needs a CUDA GPU: cargo xtask test --gpu"]
 fn graph_decode_matches_plain_decode() {
     // 1 and 8 fill their buckets; 3, 13 and 70 are padded (to 4, 16, 128).
-    for preset in ["tiny-llama", "tiny-gemma", "tiny-gemma2", "tiny-gemma3"] {
+    for preset in [
+        "tiny-llama",
+        "tiny-llama3",
+        "tiny-mistral",
+        "tiny-qwen2",
+        "tiny-qwen3",
+        "tiny-gemma",
+        "tiny-gemma2",
+        "tiny-gemma3",
+    ] {
         for batch in [1, 3, 8, 13, 70] {
             for sampled in [false, true] {
                 assert_eq!(
