@@ -35,6 +35,7 @@ n = RMSNorm(h) * ffn_norm; logits = RMSNorm(h) * output_norm W_out^T, W_out
 """
 
 import argparse
+import hashlib
 import json
 import math
 import subprocess
@@ -53,6 +54,20 @@ def field(reader, key, default=None):
     if f is None:
         return default
     return f.contents()
+
+
+def matmul_t(x, w):
+    """x @ w^T in float64 for float64 `x` [T, in] and float32 `w` [out, in].
+    Few rows (decoding): `w` is cast in blocks of rows that stay in cache
+    rather than as a whole float64 copy (the cast, not the product, is
+    then the cost)."""
+    if x.shape[0] >= 64:
+        return x @ w.astype(F64).T
+    out = np.empty((x.shape[0], w.shape[0]), dtype=F64)
+    step = max(1, (1 << 21) // (w.shape[1] * 8))
+    for r in range(0, w.shape[0], step):
+        out[:, r : r + step] = x @ w[r : r + step].astype(F64).T
+    return out
 
 
 class Model:
@@ -88,7 +103,7 @@ class Model:
         print(f"loaded {path} in {time.time() - t0:.1f}s", file=sys.stderr)
 
     def lin(self, x, name):
-        y = x @ self.w[name + ".weight"].astype(F64).T
+        y = matmul_t(x, self.w[name + ".weight"])
         b = self.w.get(name + ".bias")
         if b is not None:
             y = y + b.astype(F64)
@@ -123,81 +138,119 @@ class Model:
     def forward(self, ids, cache, start, logits_from=0):
         """Feeds `ids` at positions start.. after the cached ones; returns the
         float64 logits of the new positions from index `logits_from` on."""
-        T = len(ids)
+        return self.forward_multi([(ids, cache, start, logits_from)])[0]
+
+    def forward_multi(self, segments):
+        """Several independent sequences in one pass (the linear layers run
+        on all their rows at once, attention per sequence): `segments` =
+        [(ids, cache, start, logits_from)]; returns each one's logits."""
         d, H, KV = self.head_dim, self.n_head, self.n_kv
         group = H // KV
-        pos = np.arange(start, start + T)
-        h = self.w["token_embd.weight"][np.asarray(ids)].astype(F64)
+        lens = [len(s[0]) for s in segments]
+        offs = np.cumsum([0] + lens)
+        T = int(offs[-1])
+        ids = np.concatenate([np.asarray(s[0], dtype=np.int64) for s in segments])
+        pos = np.concatenate([np.arange(s[2], s[2] + n) for s, n in zip(segments, lens)])
+        h = self.w["token_embd.weight"][ids].astype(F64)
         scale = 1.0 / math.sqrt(d)
         for layer in range(self.n_layer):
             p = f"blk.{layer}."
             x = self.norm(h, p + "attn_norm.weight")
             q = self.rope(self.lin(x, p + "attn_q").reshape(T, H, d), pos)
-            k = self.rope(self.lin(x, p + "attn_k").reshape(T, KV, d), pos)
-            v = self.lin(x, p + "attn_v").reshape(T, KV, d)
-            c = cache[layer]
-            if c[0] is not None:
-                k = np.concatenate([c[0], k], axis=0)
-                v = np.concatenate([c[1], v], axis=0)
-            c[0], c[1] = k, v
-            S = k.shape[0]
-            # query t (absolute start + t) sees keys 0 ..= start + t
-            mask = np.arange(S)[None, :] > (start + np.arange(T))[:, None]
+            k_all = self.rope(self.lin(x, p + "attn_k").reshape(T, KV, d), pos)
+            v_all = self.lin(x, p + "attn_v").reshape(T, KV, d)
             att = np.empty((T, H, d), dtype=F64)
-            for kh in range(KV):
-                kk = k[:, kh, :]  # [S, d]
-                vv = v[:, kh, :]
-                for g in range(group):
-                    qh = kh * group + g
-                    s = (q[:, qh, :] @ kk.T) * scale  # [T, S]
-                    s[mask] = -np.inf
-                    s = s - s.max(axis=1, keepdims=True)
-                    e = np.exp(s)
-                    e /= e.sum(axis=1, keepdims=True)
-                    att[:, qh, :] = e @ vv
+            for si, (_, cache, start, _) in enumerate(segments):
+                a, b = offs[si], offs[si + 1]
+                k, v = k_all[a:b], v_all[a:b]
+                c = cache[layer]
+                if c[0] is not None:
+                    k = np.concatenate([c[0], k], axis=0)
+                    v = np.concatenate([c[1], v], axis=0)
+                c[0], c[1] = k, v
+                S, n = k.shape[0], b - a
+                # query t (position start + t) sees keys 0 ..= start + t
+                mask = np.arange(S)[None, :] > (start + np.arange(n))[:, None]
+                for kh in range(KV):
+                    kk = k[:, kh, :]  # [S, d]
+                    vv = v[:, kh, :]
+                    for g in range(group):
+                        qh = kh * group + g
+                        sc = (q[a:b, qh, :] @ kk.T) * scale  # [n, S]
+                        sc[mask] = -np.inf
+                        sc = sc - sc.max(axis=1, keepdims=True)
+                        e = np.exp(sc)
+                        e /= e.sum(axis=1, keepdims=True)
+                        att[a:b, qh, :] = e @ vv
             h = h + self.lin(att.reshape(T, H * d), p + "attn_output")
             n = self.norm(h, p + "ffn_norm.weight")
             gate = self.lin(n, p + "ffn_gate")
             up = self.lin(n, p + "ffn_up")
             act = gate / (1.0 + np.exp(-gate)) * up
             h = h + self.lin(act, p + "ffn_down")
-        h = self.norm(h[logits_from:], "output_norm.weight")
-        return h @ self.w[self.out_name].astype(F64).T
+        rows = np.concatenate(
+            [np.arange(offs[i] + s[3], offs[i + 1]) for i, s in enumerate(segments)]
+        )
+        out = matmul_t(self.norm(h[rows], "output_norm.weight"), self.w[self.out_name])
+        res, at = [], 0
+        for n, s in zip(lens, segments):
+            m = n - s[3]
+            res.append(out[at : at + m])
+            at += m
+        return res
 
 
-def greedy(model, prompt_ids, n_new, top20=False):
-    """32 greedy tokens (EOS not special). With `top20`, also the 20 largest
-    logits at every position of prompt + continuation except the last."""
-    cache = model.new_cache()
-    logits = model.forward(prompt_ids, cache, 0)
-    rows = []
-    margins = []
+def greedy_many(model, prompt_ids, n_new, top20):
+    """Greedy decoding of several prompts (EOS not special), each prefilled
+    alone, then decoded together one token per prompt per step. Returns per
+    prompt (tokens, top-20 rows or [], top-2 margins): with `top20[i]`, the
+    20 largest logits at every position of prompt + continuation except the
+    last."""
+    k = len(prompt_ids)
+    caches = [model.new_cache() for _ in range(k)]
+    rows = [[] for _ in range(k)]
+    margins = [[] for _ in range(k)]
+    outs = [[] for _ in range(k)]
 
-    def record(row_logits, pos):
-        if top20:
+    def record(i, row_logits, pos):
+        if top20[i]:
             idx = np.argsort(-row_logits, kind="stable")[:20]
-            rows.append(
+            rows[i].append(
                 {
                     "pos": pos,
-                    "ids": [int(i) for i in idx],
-                    "logits": [round(float(row_logits[i]), 6) for i in idx],
+                    "ids": [int(j) for j in idx],
+                    "logits": [round(float(row_logits[j]), 6) for j in idx],
                 }
             )
 
-    for p in range(len(prompt_ids) - 1):
-        record(logits[p], p)
-    last = logits[-1]
-    out = []
+    last = []
+    for i, ids in enumerate(prompt_ids):
+        t0 = time.time()
+        logits = model.forward(ids, caches[i], 0, 0 if top20[i] else len(ids) - 1)
+        if top20[i]:
+            for p in range(len(ids) - 1):
+                record(i, logits[p], p)
+        last.append(logits[-1])
+        print(f"prefill {i}: {len(ids)} tokens ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
     for step in range(n_new):
-        pos = len(prompt_ids) + step - 1
-        record(last, pos)
-        top2 = np.partition(-last, 1)[:2]
-        margins.append(float(top2[1] - top2[0]))
-        tok = int(np.argmax(last))
-        out.append(tok)
+        t0 = time.time()
+        for i in range(k):
+            record(i, last[i], len(prompt_ids[i]) + step - 1)
+            top2 = np.partition(-last[i], 1)[:2]
+            margins[i].append(float(top2[1] - top2[0]))
+            outs[i].append(int(np.argmax(last[i])))
         if step + 1 < n_new:
-            last = model.forward([tok], cache, len(prompt_ids) + step)[-1]
-    return out, rows, margins
+            segs = [
+                ([outs[i][-1]], caches[i], len(prompt_ids[i]) + step, 0) for i in range(k)
+            ]
+            last = [r[-1] for r in model.forward_multi(segs)]
+        print(f"decode step {step + 1}/{n_new} ({time.time() - t0:.1f}s)", file=sys.stderr, flush=True)
+    return [(outs[i], rows[i], margins[i]) for i in range(k)]
+
+
+def greedy(model, prompt_ids, n_new, top20=False):
+    """One prompt's greedy tokens, top-20 rows and margins (greedy_many)."""
+    return greedy_many(model, [prompt_ids], n_new, [top20])[0]
 
 
 def log_softmax_at(logits, targets):
@@ -293,8 +346,8 @@ CHAT_MESSAGES = [
 def prompts(template):
     with open(GPL3, encoding="utf-8") as f:
         gpl = f.read()
-    # the first ~4,000 characters, cut at a line end
-    long_text = gpl[: gpl.rindex("\n", 0, 4000) + 1]
+    # the first ~4,800 characters, cut at a line end (1,020 Qwen tokens)
+    long_text = gpl[: gpl.rindex("\n", 0, 4800) + 1]
     out = [
         {"name": "very_short", "prompt": "Hello"},
         {"name": "capital", "prompt": "The capital of France is"},
@@ -356,12 +409,12 @@ def cmd_check_llama(args):
     worst_logit = 0.0
     mismatches = 0
     with open(f"{args.refdir}/greedy.jsonl", encoding="utf-8") as f:
-        for line in f:
-            ref = json.loads(line)
-            toks, _, margins = greedy(model, ref["prompt_tokens"], len(ref["tokens"]))
-            same = toks == ref["tokens"]
-            mismatches += not same
-            print(f"{ref['name']}: tokens {'match' if same else 'DIFFER'} (min margin {min(margins):.4f})")
+        refs = [json.loads(line) for line in f]
+    results = greedy_many(model, [r["prompt_tokens"] for r in refs], 32, [False] * len(refs))
+    for ref, (toks, _, margins) in zip(refs, results):
+        same = toks == ref["tokens"]
+        mismatches += not same
+        print(f"{ref['name']}: tokens {'match' if same else 'DIFFER'} (min margin {min(margins):.4f})")
     for name in args.top20:
         with open(f"{args.refdir}/top20_{name}.json", encoding="utf-8") as f:
             ref = json.load(f)
@@ -383,47 +436,43 @@ def cmd_refs(args):
     template = field(GGUFReader(model_path), "tokenizer.chat_template")
     if not args.only_ppl:
         model = Model(model_path)
-        lines = []
-        for p in prompts(template):
-            t0 = time.time()
-            ids = llama_tokenize(args.llama_tokenize, model_path, p["prompt"])
-            want_top20 = p["name"] in ("capital", "code")
-            toks, rows, margins = greedy(model, ids, 32, top20=want_top20)
-            rec = dict(p)
-            rec["prompt_tokens"] = ids
-            rec["tokens"] = toks
-            rec["min_top2_margin"] = round(min(margins), 6)
-            lines.append(rec)
-            if want_top20:
-                with open(f"{args.outdir}/top20_{p['name']}.json", "w", encoding="utf-8") as f:
-                    json.dump(
-                        {
-                            "prompt": p["prompt"],
-                            "n_prompt": len(ids),
-                            "token_ids": ids + toks,
-                            "topk": 20,
-                            "rows": rows,
-                        },
-                        f,
-                        ensure_ascii=False,
-                    )
-            print(
-                f"{p['name']}: {len(ids)} prompt tokens, min margin {min(margins):.4f} "
-                f"({time.time() - t0:.0f}s)",
-                file=sys.stderr,
-                flush=True,
-            )
-            with open(f"{args.outdir}/greedy.jsonl", "w", encoding="utf-8") as f:
-                for rec in lines:
-                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        ps = prompts(template)
+        all_ids = [llama_tokenize(args.llama_tokenize, model_path, p["prompt"]) for p in ps]
+        want = [p["name"] in ("capital", "code") for p in ps]
+        results = greedy_many(model, all_ids, 32, want)
+        with open(f"{args.outdir}/greedy.jsonl", "w", encoding="utf-8") as f:
+            for p, ids, (toks, rows, margins) in zip(ps, all_ids, results):
+                rec = dict(p)
+                rec["prompt_tokens"] = ids
+                rec["tokens"] = toks
+                rec["min_top2_margin"] = round(min(margins), 6)
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                if rows:
+                    with open(f"{args.outdir}/top20_{p['name']}.json", "w", encoding="utf-8") as g:
+                        json.dump(
+                            {
+                                "prompt": p["prompt"],
+                                "n_prompt": len(ids),
+                                "token_ids": ids + toks,
+                                "topk": 20,
+                                "rows": rows,
+                            },
+                            g,
+                            ensure_ascii=False,
+                        )
+                print(f"{p['name']}: {len(ids)} prompt tokens, min margin {min(margins):.4f}", file=sys.stderr)
         if args.skip_ppl:
             return
     else:
         model = Model(model_path)
     tokens = llama_tokenize_file(args.llama_tokenize, model_path, GPL3)
     res = perplexity(model, tokens, 512)
+    with open(GPL3, "rb") as f:
+        text = f.read()
     res = {
         "text": GPL3,
+        "text_bytes": len(text),
+        "text_sha256": hashlib.sha256(text).hexdigest(),
         "ctx": 512,
         "bos": None,
         "n_tokens": len(tokens),
