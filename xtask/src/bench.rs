@@ -56,7 +56,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         println!();
     }
     if wanted("models") {
-        crate::fetch_models::run(&[])?;
+        crate::fetch_models::fetch(&["smollm2-135m", "gemma3-270m"])?;
         println!("## Models (tokens/s)\n");
         println!("| model | test | te-rs tok/s |\n|---|---|---|");
         for row in crate::bench_models::run(&["smollm2-135m", "gemma3-270m"])? {
@@ -65,7 +65,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         println!();
     }
     if wanted("engine") {
-        crate::fetch_models::run(&[])?;
+        crate::fetch_models::fetch(&["smollm2-135m"])?;
         println!("## Engine: prefix reuse\n");
         println!(
             "| case | prefix caching | prefill s | tokens computed | prefix hits | wall s |\n|---|---|---|---|---|---|"
@@ -76,7 +76,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         println!();
     }
     if wanted("serve") {
-        crate::fetch_models::run(&[])?;
+        crate::fetch_models::fetch(&["smollm2-135m"])?;
         println!("## Server (te serve, smollm2-135m, streaming, 32 new tokens per request)\n");
         println!(
             "| clients | requests | requests/s | generated tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |\n|---|---|---|---|---|---|---|---|"
@@ -87,7 +87,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         println!();
     }
     if wanted("context-parallel") {
-        crate::fetch_models::run(&[])?;
+        crate::fetch_models::fetch(&["gemma3-270m"])?;
         println!("## Context-parallel prefill (gemma3-270m, one 8192-token prompt)\n");
         println!(
             "| ranks | transport | prompt tokens | wall s | prefill tok/s | KV tokens per rank | KV MiB per rank |\n|---|---|---|---|---|---|---|"

