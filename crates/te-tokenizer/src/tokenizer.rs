@@ -632,49 +632,93 @@ impl Tokenizer {
 
     /// Renders `messages` with the model's chat template
     /// ([`crate::chat::apply_chat_template`], the generation prompt
-    /// appended) and encodes the text with special tokens parsed; BOS only
-    /// where the template writes it (Hugging Face `apply_chat_template`
-    /// with `tokenize=True`).
+    /// appended), listing `tools` (function specs) when given.
     ///
     /// Errors: [`TokenizerError::Input`] when the model has no chat
-    /// template or the template renders nothing; [`TokenizerError::Config`]
-    /// when the model's template could not be read;
-    /// [`TokenizerError::Tokenizer`] when rendering or encoding fails.
-    pub fn encode_chat(&self, messages: &[crate::chat::ChatMessage]) -> Result<Vec<u32>> {
-        let template = match &self.chat_template {
-            Ok(Some(t)) => t,
-            Ok(None) => {
-                return Err(TokenizerError::Input(
-                    "this model has no chat template (GGUF tokenizer.chat_template, or a \
-                     Hugging Face chat_template.jinja / tokenizer_config.json chat_template); \
-                     give a raw prompt instead"
-                        .into(),
-                ))
-            }
-            Err(reason) => {
-                return Err(TokenizerError::Config {
-                    field: "chat_template".into(),
-                    reason: reason.clone(),
-                })
-            }
-        };
+    /// template, when `tools` are given to a template that does not read
+    /// them ([`crate::chat::template_supports_tools`]), or when the
+    /// template renders nothing; [`TokenizerError::Config`] when the
+    /// model's template could not be read; [`TokenizerError::Tokenizer`]
+    /// when rendering fails.
+    pub fn render_chat(
+        &self,
+        messages: &[crate::chat::ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+    ) -> Result<String> {
+        let template = self.chat_template_source()?;
+        if tools.is_some() && !crate::chat::template_supports_tools(template) {
+            return Err(TokenizerError::Input(
+                "this model's chat template does not support tools".into(),
+            ));
+        }
         let text = crate::chat::apply_chat_template(
             template,
-            messages,
-            true,
-            &self.chat_bos,
-            &self.chat_eos,
+            &crate::chat::ChatTemplateArgs {
+                messages,
+                tools,
+                add_generation_prompt: true,
+                bos_token: &self.chat_bos,
+                eos_token: &self.chat_eos,
+            },
         )?;
         if text.is_empty() {
             return Err(TokenizerError::Input(
                 "the model's chat template rendered nothing".into(),
             ));
         }
+        Ok(text)
+    }
+
+    /// [`Tokenizer::render_chat`] without tools, encoded with special
+    /// tokens parsed; BOS only where the template writes it (Hugging Face
+    /// `apply_chat_template` with `tokenize=True`).
+    ///
+    /// Errors: as [`Tokenizer::render_chat`]; [`TokenizerError::Tokenizer`]
+    /// when encoding fails.
+    pub fn encode_chat(&self, messages: &[crate::chat::ChatMessage]) -> Result<Vec<u32>> {
+        self.encode_chat_with_tools(messages, None)
+    }
+
+    /// [`Tokenizer::render_chat`] encoded with special tokens parsed; BOS
+    /// only where the template writes it.
+    ///
+    /// Errors: as [`Tokenizer::render_chat`]; [`TokenizerError::Tokenizer`]
+    /// when encoding fails.
+    pub fn encode_chat_with_tools(
+        &self,
+        messages: &[crate::chat::ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+    ) -> Result<Vec<u32>> {
+        let text = self.render_chat(messages, tools)?;
         let encoding = self
             .parse_special
             .encode_fast(text, false)
             .map_err(tok_err)?;
         Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Whether the model has a chat template that reads `tools`
+    /// ([`crate::chat::template_supports_tools`]); false without one.
+    pub fn chat_template_supports_tools(&self) -> bool {
+        self.chat_template()
+            .is_some_and(crate::chat::template_supports_tools)
+    }
+
+    /// The chat template, or why there is none usable.
+    fn chat_template_source(&self) -> Result<&str> {
+        match &self.chat_template {
+            Ok(Some(t)) => Ok(t),
+            Ok(None) => Err(TokenizerError::Input(
+                "this model has no chat template (GGUF tokenizer.chat_template, or a \
+                 Hugging Face chat_template.jinja / tokenizer_config.json chat_template); \
+                 give a raw prompt instead"
+                    .into(),
+            )),
+            Err(reason) => Err(TokenizerError::Config {
+                field: "chat_template".into(),
+                reason: reason.clone(),
+            }),
+        }
     }
 
     /// Decodes token ids to text. `skip_special`: leave out special tokens

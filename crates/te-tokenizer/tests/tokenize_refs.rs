@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use serde_json::Value;
 use te_formats::gguf::GgufFile;
 use te_formats::hub;
+use te_tokenizer::chat::ChatMessage;
 use te_tokenizer::tokenizer::Tokenizer;
 
 fn model_path(name: &str) -> PathBuf {
@@ -116,6 +117,7 @@ fn smollm2_matches_llama_cpp() {
     assert!(tok.eos_ids().contains(&2), "{:?}", tok.eos_ids());
     check_round_trip(&tok, 0);
     assert_eq!(tok.token_to_piece(216).as_deref(), Some("Ġ"));
+    assert!(tok.chat_template().is_some() && !tok.chat_template_supports_tools());
 }
 
 #[test]
@@ -131,8 +133,30 @@ fn gemma3_matches_llama_cpp() {
 /// (`add_bos_token` false), `<|im_start|>` and `<|endoftext|>` only with
 /// special text parsed, `<tool_call>` (user-defined) always, and the FIM
 /// markers (user-defined, but control in llama.cpp) only when parsed.
-fn check_qwen(name: &str) {
+fn check_qwen(name: &str, chat_ref: &str) {
     let tok = check_model(name);
+    // The GGUF's chat template is the one of the chat reference, and
+    // renders its tools case as Hugging Face does.
+    let doc: Value = serde_json::from_str(
+        &std::fs::read_to_string(refs_path("chat_templates", &format!("{chat_ref}.json"))).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(tok.chat_template(), doc["template"].as_str());
+    assert!(tok.chat_template_supports_tools());
+    let case = doc["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "tool_call_dict_args")
+        .unwrap();
+    let messages: Vec<ChatMessage> = serde_json::from_value(case["messages"].clone()).unwrap();
+    let tools: Vec<Value> = serde_json::from_value(case["tools"].clone()).unwrap();
+    assert_eq!(
+        tok.render_chat(&messages, Some(&tools)).unwrap(),
+        case["expected"].as_str().unwrap()
+    );
+    let ids = tok.encode_chat_with_tools(&messages, Some(&tools)).unwrap();
+    assert_eq!(ids[0], 151644, "<|im_start|> first, no BOS");
     assert_eq!(tok.bos_id(), Some(151643));
     assert!(tok.eos_ids().contains(&151645), "{:?}", tok.eos_ids());
     assert_eq!(tok.encode("<|im_start|>", true).unwrap(), [151644]);
@@ -144,12 +168,12 @@ fn check_qwen(name: &str) {
 
 #[test]
 fn qwen2_5_coder_0_5b_matches_llama_cpp() {
-    check_qwen("qwen2.5-coder-0.5b");
+    check_qwen("qwen2.5-coder-0.5b", "qwen2.5-instruct");
 }
 
 #[test]
 fn qwen2_5_coder_1_5b_matches_llama_cpp() {
-    check_qwen("qwen2.5-coder-1.5b");
+    check_qwen("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b");
 }
 
 /// The `tokenizer.json` written by `to_json` loads back into a tokenizer
