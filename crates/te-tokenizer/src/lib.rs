@@ -15,4 +15,4 @@ pub mod error;
 pub mod tokenizer;
 
 pub use error::{Result, TokenizerError};
-pub use tokenizer::{byte_token_ids, DecodeStream, Tokenizer};
+pub use tokenizer::{byte_token_ids, supported_gpt2_pres, DecodeStream, Tokenizer};

@@ -2,11 +2,14 @@
 //! Hugging Face `tokenizer.json`.
 //!
 //! From GGUF (`tokenizer.ggml.*` keys, llama.cpp conventions):
-//! - `model = "gpt2"`: byte-level BPE from `tokens` and `merges`. The
-//!   pre-tokenizer follows `pre` (llama.cpp `llama-vocab.cpp`): `smollm`
-//!   (and starcoder-like types) first split every digit (`\p{N}`) into its own
-//!   piece, then apply the GPT-2 split regex; `default`/`gpt2` apply the GPT-2
-//!   regex only.
+//! - `model = "gpt2"`: byte-level BPE from `tokens` and `merges`. The text
+//!   is split before BPE as llama.cpp (`llama-vocab.cpp`) splits for `pre`
+//!   ([`supported_gpt2_pres`] lists the names): `qwen2` (Qwen2/2.5,
+//!   `deepseek-r1-qwen`: one digit per piece), `llama-bpe` (Llama 3,
+//!   also `llama3`, `llama-v3`: up to 3 digits per piece, whole-vocabulary
+//!   pieces taken without merging, BOS added by default), `smollm` (and
+//!   starcoder-like names: every digit, then GPT-2's split), `gpt-2`,
+//!   `default` (also when `pre` is absent). An unknown `pre` is an error.
 //! - `model = "llama"`: SentencePiece-style BPE from `tokens` and `scores`,
 //!   with byte fallback (`<0xXX>` pieces). GGUF stores no merges, so they are
 //!   derived: every split of a vocabulary piece into two vocabulary pieces is
@@ -16,12 +19,15 @@
 //!   Hugging Face BPE makes the same choices. Spaces become `▁`; a `▁` prefix
 //!   is added only when `add_space_prefix` is true.
 //!
-//! In both, `token_type` 3 (control) and 2 (unknown) pieces become *special*
-//! added tokens, matched in the text only when `parse_special` is true, and
+//! In both, `token_type` 3 (control) and 2 (unknown) pieces, and the texts
+//! llama.cpp takes for control tokens whatever their type (end of turn,
+//! fill-in-the-middle markers: `CONTROL_LOOKING`), become *special* added
+//! tokens, matched in the text only when `parse_special` is true; other
 //! type 4 (user-defined) pieces become plain added tokens, always matched
-//! literally before the model runs (Gemma's runs of spaces, `\n`, tab).
-//! BOS is prepended when `add_bos_token` says so (default: true for
-//! `llama`, false for `gpt2`).
+//! literally before the model runs (Gemma's runs of spaces, `\n`, tab;
+//! Qwen's `<tool_call>`). BOS is prepended when `add_bos_token` says so;
+//! when the key is absent, llama.cpp's default: true for `llama`, false
+//! for `gpt2` except the Llama 3 names.
 
 use std::path::Path;
 
@@ -32,10 +38,12 @@ use tokenizers::decoders::strip::Strip;
 use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::normalizers::{Prepend, Replace};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::TemplateProcessing;
-use tokenizers::{AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper};
+use tokenizers::{
+    AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior,
+};
 
 use te_formats::gguf::GgufFile;
 
@@ -57,6 +65,154 @@ const END_OF_GENERATION_TEXTS: &[&str] = &[
     "</s>",
     "<eos>",
 ];
+
+/// Token texts llama.cpp makes control tokens whatever their `token_type`
+/// (`llama-vocab.cpp`, "control-looking" tokens): per GGUF key, the texts
+/// it looks for when that key is absent (the end-of-turn, end-of-message
+/// and fill-in-the-middle tokens), and with no key the end-of-generation
+/// texts, always. Qwen2.5 stores `<|fim_prefix|>` ... `<|file_sep|>` as
+/// user-defined, so they are control in llama.cpp: matched only when
+/// special text is parsed. (llama.cpp marks only the first of several
+/// texts of one keyed list it meets; vocabularies hold one each.) An
+/// empty key list: always.
+const CONTROL_LOOKING: &[(&[&str], &[&str])] = &[
+    (
+        &["tokenizer.ggml.eot_token_id"],
+        &[
+            "<|eot_id|>",
+            "<|im_end|>",
+            "<|end|>",
+            "<end_of_turn>",
+            "<|endoftext|>",
+            "<|end_of_text|>",
+            "<EOT>",
+            "_<EOT>",
+            "[EOT]",
+            "<｜end▁of▁sentence｜>",
+            "<end_of_utterance>",
+        ],
+    ),
+    (&["tokenizer.ggml.eom_token_id"], &["<|eom_id|>"]),
+    (
+        &[
+            "tokenizer.ggml.fim_pre_token_id",
+            "tokenizer.ggml.prefix_token_id",
+        ],
+        &[
+            "<|fim_prefix|>",
+            "<fim-prefix>",
+            "<fim_prefix>",
+            "<｜fim▁begin｜>",
+            "<PRE>",
+            "▁<PRE>",
+            "<|code_prefix|>",
+            "<|prefix|>",
+        ],
+    ),
+    (
+        &[
+            "tokenizer.ggml.fim_suf_token_id",
+            "tokenizer.ggml.suffix_token_id",
+        ],
+        &[
+            "<|fim_suffix|>",
+            "<fim-suffix>",
+            "<fim_suffix>",
+            "<｜fim▁hole｜>",
+            "<SUF>",
+            "▁<SUF>",
+            "<|code_suffix|>",
+            "<|suffix|>",
+        ],
+    ),
+    (
+        &[
+            "tokenizer.ggml.fim_mid_token_id",
+            "tokenizer.ggml.middle_token_id",
+        ],
+        &[
+            "<|fim_middle|>",
+            "<fim-middle>",
+            "<fim_middle>",
+            "<｜fim▁end｜>",
+            "<MID>",
+            "▁<MID>",
+            "<|code_middle|>",
+            "<|middle|>",
+        ],
+    ),
+    (
+        &["tokenizer.ggml.fim_pad_token_id"],
+        &["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"],
+    ),
+    (
+        &["tokenizer.ggml.fim_rep_token_id"],
+        &[
+            "<|fim_repo|>",
+            "<|repo_name|>",
+            "<fim-repo>",
+            "<REPO>",
+            "<reponame>",
+        ],
+    ),
+    (&["tokenizer.ggml.fim_sep_token_id"], &["<|file_sep|>"]),
+    (
+        &[],
+        &[
+            "<|eot_id|>",
+            "<|im_end|>",
+            "<|end|>",
+            "<|return|>",
+            "<|call|>",
+            "<|flush|>",
+            "<|calls|>",
+            "<end_of_turn>",
+            "<|endoftext|>",
+            "</s>",
+            "<|eom_id|>",
+            "<EOT>",
+            "_<EOT>",
+            "[EOT]",
+            "[EOS]",
+            "<|end_of_text|>",
+            "<end_of_utterance>",
+            "<eos>",
+            "<turn|>",
+            "<|tool_response>",
+            "<｜end▁of▁sentence｜>",
+            "[e~[",
+        ],
+    ),
+];
+
+/// Texts llama.cpp makes user-defined whatever their type (gpt-oss).
+const ALWAYS_USER_DEFINED: &[&str] = &["<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"];
+
+/// How a vocabulary piece is matched in the text before BPE.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum AddedKind {
+    /// Not matched: BPE produces it (or never does).
+    None,
+    /// Matched only when special text is parsed (control, unknown).
+    Special,
+    /// Always matched (user-defined).
+    Plain,
+}
+
+/// llama.cpp's rule: pieces of `token_type` control or unknown, and
+/// control-looking texts (`control`, see [`CONTROL_LOOKING`]), are matched
+/// only when special text is parsed; user-defined pieces always.
+fn added_token_kind(token_type: i32, control: bool, text: &str) -> AddedKind {
+    if ALWAYS_USER_DEFINED.contains(&text) {
+        AddedKind::Plain
+    } else if control || token_type == TYPE_CONTROL || token_type == TYPE_UNKNOWN {
+        AddedKind::Special
+    } else if token_type == TYPE_USER_DEFINED {
+        AddedKind::Plain
+    } else {
+        AddedKind::None
+    }
+}
 
 fn tok_err(e: impl std::fmt::Display) -> TokenizerError {
     TokenizerError::Tokenizer(e.to_string())
@@ -138,10 +294,12 @@ impl Tokenizer {
                             })
                     })
                     .collect::<Result<Vec<_>>>()?;
-                let pre = match file.metadata("tokenizer.ggml.pre") {
+                // llama.cpp splits as `default` when the key is absent.
+                let pre_name = match file.metadata("tokenizer.ggml.pre") {
                     Some(_) => file.get_str("tokenizer.ggml.pre")?,
                     None => "default",
                 };
+                let pre = gpt2_pre(pre_name)?;
                 let inner = gpt2_tokenizer(vocab, merges, pre).map_err(|e| match e {
                     TokenizerError::Tokenizer(reason) => TokenizerError::Config {
                         field: "tokenizer.ggml.merges".into(),
@@ -149,7 +307,11 @@ impl Tokenizer {
                     },
                     other => other,
                 })?;
-                (inner, format!("gpt2 byte-level BPE (pre: {pre})"), false)
+                (
+                    inner,
+                    format!("gpt2 byte-level BPE (pre: {pre_name})"),
+                    pre.add_bos,
+                )
             }
             "llama" => {
                 let scores = file.get_f32_array("tokenizer.ggml.scores")?;
@@ -174,11 +336,23 @@ impl Tokenizer {
             }
         };
 
+        let control_lists = CONTROL_LOOKING
+            .iter()
+            .filter(|(keys, _)| keys.iter().all(|k| file.metadata(k).is_none()))
+            .map(|(_, texts)| *texts)
+            .collect::<Vec<_>>();
         let added: Vec<AddedToken> = tokens
             .iter()
             .zip(&types)
-            .filter(|(_, &t)| t == TYPE_CONTROL || t == TYPE_UNKNOWN || t == TYPE_USER_DEFINED)
-            .map(|(&text, &t)| AddedToken::from(text, t != TYPE_USER_DEFINED).normalized(false))
+            .filter_map(|(&text, &t)| {
+                let control = control_lists.iter().any(|list| list.contains(&text));
+                match added_token_kind(t, control, text) {
+                    AddedKind::None => None,
+                    kind => {
+                        Some(AddedToken::from(text, kind == AddedKind::Special).normalized(false))
+                    }
+                }
+            })
             .collect();
         inner.add_tokens(&added);
 
@@ -458,49 +632,93 @@ impl Tokenizer {
 
     /// Renders `messages` with the model's chat template
     /// ([`crate::chat::apply_chat_template`], the generation prompt
-    /// appended) and encodes the text with special tokens parsed; BOS only
-    /// where the template writes it (Hugging Face `apply_chat_template`
-    /// with `tokenize=True`).
+    /// appended), listing `tools` (function specs) when given.
     ///
     /// Errors: [`TokenizerError::Input`] when the model has no chat
-    /// template or the template renders nothing; [`TokenizerError::Config`]
-    /// when the model's template could not be read;
-    /// [`TokenizerError::Tokenizer`] when rendering or encoding fails.
-    pub fn encode_chat(&self, messages: &[crate::chat::ChatMessage]) -> Result<Vec<u32>> {
-        let template = match &self.chat_template {
-            Ok(Some(t)) => t,
-            Ok(None) => {
-                return Err(TokenizerError::Input(
-                    "this model has no chat template (GGUF tokenizer.chat_template, or a \
-                     Hugging Face chat_template.jinja / tokenizer_config.json chat_template); \
-                     give a raw prompt instead"
-                        .into(),
-                ))
-            }
-            Err(reason) => {
-                return Err(TokenizerError::Config {
-                    field: "chat_template".into(),
-                    reason: reason.clone(),
-                })
-            }
-        };
+    /// template, when `tools` are given to a template that does not read
+    /// them ([`crate::chat::template_supports_tools`]), or when the
+    /// template renders nothing; [`TokenizerError::Config`] when the
+    /// model's template could not be read; [`TokenizerError::Tokenizer`]
+    /// when rendering fails.
+    pub fn render_chat(
+        &self,
+        messages: &[crate::chat::ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+    ) -> Result<String> {
+        let template = self.chat_template_source()?;
+        if tools.is_some() && !crate::chat::template_supports_tools(template) {
+            return Err(TokenizerError::Input(
+                "this model's chat template does not support tools".into(),
+            ));
+        }
         let text = crate::chat::apply_chat_template(
             template,
-            messages,
-            true,
-            &self.chat_bos,
-            &self.chat_eos,
+            &crate::chat::ChatTemplateArgs {
+                messages,
+                tools,
+                add_generation_prompt: true,
+                bos_token: &self.chat_bos,
+                eos_token: &self.chat_eos,
+            },
         )?;
         if text.is_empty() {
             return Err(TokenizerError::Input(
                 "the model's chat template rendered nothing".into(),
             ));
         }
+        Ok(text)
+    }
+
+    /// [`Tokenizer::render_chat`] without tools, encoded with special
+    /// tokens parsed; BOS only where the template writes it (Hugging Face
+    /// `apply_chat_template` with `tokenize=True`).
+    ///
+    /// Errors: as [`Tokenizer::render_chat`]; [`TokenizerError::Tokenizer`]
+    /// when encoding fails.
+    pub fn encode_chat(&self, messages: &[crate::chat::ChatMessage]) -> Result<Vec<u32>> {
+        self.encode_chat_with_tools(messages, None)
+    }
+
+    /// [`Tokenizer::render_chat`] encoded with special tokens parsed; BOS
+    /// only where the template writes it.
+    ///
+    /// Errors: as [`Tokenizer::render_chat`]; [`TokenizerError::Tokenizer`]
+    /// when encoding fails.
+    pub fn encode_chat_with_tools(
+        &self,
+        messages: &[crate::chat::ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+    ) -> Result<Vec<u32>> {
+        let text = self.render_chat(messages, tools)?;
         let encoding = self
             .parse_special
             .encode_fast(text, false)
             .map_err(tok_err)?;
         Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Whether the model has a chat template that reads `tools`
+    /// ([`crate::chat::template_supports_tools`]); false without one.
+    pub fn chat_template_supports_tools(&self) -> bool {
+        self.chat_template()
+            .is_some_and(crate::chat::template_supports_tools)
+    }
+
+    /// The chat template, or why there is none usable.
+    fn chat_template_source(&self) -> Result<&str> {
+        match &self.chat_template {
+            Ok(Some(t)) => Ok(t),
+            Ok(None) => Err(TokenizerError::Input(
+                "this model has no chat template (GGUF tokenizer.chat_template, or a \
+                 Hugging Face chat_template.jinja / tokenizer_config.json chat_template); \
+                 give a raw prompt instead"
+                    .into(),
+            )),
+            Err(reason) => Err(TokenizerError::Config {
+                field: "chat_template".into(),
+                reason: reason.clone(),
+            }),
+        }
     }
 
     /// Decodes token ids to text. `skip_special`: leave out special tokens
@@ -674,30 +892,197 @@ fn model_type(t: &tokenizers::Tokenizer) -> &'static str {
     }
 }
 
-/// Byte-level BPE with the pre-tokenizer llama.cpp uses for `pre`.
+/// llama.cpp's split of a `gpt2` vocabulary's text before BPE, chosen by
+/// GGUF `tokenizer.ggml.pre` (llama.cpp `llama-vocab.cpp`: the pre-type of
+/// each name and the regexes of each pre-type).
+#[derive(Clone, Copy, Debug)]
+struct Gpt2Pre {
+    /// Regexes applied in order: each splits every piece into its matches
+    /// and the text between them (all kept), as llama.cpp's
+    /// `unicode_regex_split` does; then bytes map to the byte-level alphabet.
+    regexes: &'static [&'static str],
+    /// A piece that is itself a vocabulary entry becomes that token without
+    /// merging (llama.cpp `ignore_merges`, Hugging Face `ignore_merges`).
+    ignore_merges: bool,
+    /// Whether BOS is added when `tokenizer.ggml.add_bos_token` is absent.
+    add_bos: bool,
+}
+
+/// GPT-2's split.
+const GPT2_REGEX: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
+/// Llama 3's split (tokenizer.json's `(?i:'s|...)` spelled out by case, as
+/// llama.cpp does): runs of up to 3 digits.
+const LLAMA3_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen2's split: Llama 3's with one digit per piece.
+const QWEN2_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen 3.5's split: Qwen2's with combining marks (`\p{M}`) kept with letters.
+const QWEN35_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// `tokenizer.ggml.pre` names of `gpt2` vocabularies and llama.cpp's split
+/// for each. Names llama.cpp knows but whose vocabularies need more than a
+/// split (a SEP token, per-token strip rules, other regex dialects) are
+/// left out, so they fail loudly instead of tokenizing differently.
+const GPT2_PRES: &[(&[&str], Gpt2Pre)] = &[
+    (
+        // llama.cpp's `default`, also what it uses when the key is absent.
+        &["default"],
+        Gpt2Pre {
+            regexes: &[
+                r"[\p{P}\$\+<=>\^~\|]+",
+                GPT2_REGEX,
+                r"\p{N}+",
+                r"[0-9][0-9][0-9]",
+            ],
+            ignore_merges: false,
+            add_bos: false,
+        },
+    ),
+    (
+        // `gpt2` is te's own older name for `gpt-2`.
+        &[
+            "gpt-2",
+            "gpt2",
+            "phi-2",
+            "mpt",
+            "olmo",
+            "jais",
+            "gigachat",
+            "a.x-4.0",
+            "mellum",
+            "exaone4",
+            "trillion",
+            "granite-docling",
+        ],
+        Gpt2Pre {
+            regexes: &[GPT2_REGEX],
+            ignore_merges: false,
+            add_bos: false,
+        },
+    ),
+    (
+        &[
+            "smollm",
+            "starcoder",
+            "refact",
+            "command-r",
+            "codeshell",
+            "exaone",
+            "minerva-7b",
+            "mellum2",
+        ],
+        Gpt2Pre {
+            regexes: &[r"\p{N}", GPT2_REGEX],
+            ignore_merges: false,
+            add_bos: false,
+        },
+    ),
+    (
+        &[
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
+        ],
+        Gpt2Pre {
+            regexes: &[LLAMA3_REGEX],
+            ignore_merges: true,
+            add_bos: true,
+        },
+    ),
+    (
+        &["dbrx", "smaug-bpe"],
+        Gpt2Pre {
+            regexes: &[LLAMA3_REGEX],
+            ignore_merges: false,
+            add_bos: false,
+        },
+    ),
+    (
+        &[
+            "qwen2",
+            "deepseek-r1-qwen",
+            "megrez",
+            "stablelm2",
+            "hunyuan",
+            "solar-open",
+            "kormo",
+            "f2llmv2",
+        ],
+        Gpt2Pre {
+            regexes: &[QWEN2_REGEX],
+            ignore_merges: false,
+            add_bos: false,
+        },
+    ),
+    (
+        &["qwen35"],
+        Gpt2Pre {
+            regexes: &[QWEN35_REGEX],
+            ignore_merges: false,
+            add_bos: false,
+        },
+    ),
+];
+
+/// llama.cpp's split for `tokenizer.ggml.pre` = `name`.
+///
+/// Errors: [`TokenizerError::Config`] naming `tokenizer.ggml.pre` for a
+/// name not in [`GPT2_PRES`], listing the supported ones.
+fn gpt2_pre(name: &str) -> Result<Gpt2Pre> {
+    GPT2_PRES
+        .iter()
+        .find(|(names, _)| names.contains(&name))
+        .map(|(_, pre)| *pre)
+        .ok_or_else(|| TokenizerError::Config {
+            field: "tokenizer.ggml.pre".into(),
+            reason: format!(
+                "unsupported pre-tokenizer `{name}` for a gpt2 vocabulary (supported: {})",
+                supported_gpt2_pres().join(", ")
+            ),
+        })
+}
+
+/// Every `tokenizer.ggml.pre` name a `gpt2` vocabulary may have here.
+pub fn supported_gpt2_pres() -> Vec<&'static str> {
+    GPT2_PRES
+        .iter()
+        .flat_map(|(names, _)| names.iter().copied())
+        .collect()
+}
+
+/// Byte-level BPE split as llama.cpp splits for `pre` (see [`Gpt2Pre`]).
 fn gpt2_tokenizer(
     vocab: Vocab,
     merges: Vec<(String, String)>,
-    pre: &str,
+    pre: Gpt2Pre,
 ) -> Result<tokenizers::Tokenizer> {
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
+        .ignore_merges(pre.ignore_merges)
         .build()
         .map_err(tok_err)?;
-    let byte_level = ByteLevel::new(false, true, true);
-    let pre_tokenizer: PreTokenizerWrapper = match pre {
-        "default" | "gpt2" | "gpt-2" => byte_level.into(),
-        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva" => {
-            PreSequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
-        }
-        other => {
-            return Err(TokenizerError::Tokenizer(format!(
-                "unsupported tokenizer.ggml.pre `{other}` for gpt2 BPE (supported: default, gpt2, smollm, starcoder, refact, command-r, codeshell, exaone, minerva)"
-            )))
-        }
-    };
+    let mut steps = pre
+        .regexes
+        .iter()
+        .map(|re| {
+            Split::new(
+                SplitPattern::Regex(re.to_string()),
+                SplitDelimiterBehavior::Isolated,
+                false,
+            )
+            .map(PreTokenizerWrapper::from)
+            .map_err(tok_err)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // Bytes to the byte-level alphabet only: the split is done above.
+    steps.push(ByteLevel::new(false, true, false).into());
     let mut t = tokenizers::Tokenizer::new(bpe);
-    t.with_pre_tokenizer(Some(pre_tokenizer));
+    t.with_pre_tokenizer(Some(PreSequence::new(steps)));
     t.with_decoder(Some(ByteLevel::new(false, true, true)));
     Ok(t)
 }
@@ -919,6 +1304,83 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("special token id 300"), "{e}");
+    }
+
+    /// The pieces `pre` splits `text` into, bytes in the byte-level alphabet.
+    fn split(pre: &str, text: &str) -> Vec<String> {
+        use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+        let vocab: Vocab = byte_level_chars()
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| (c.to_string(), i as u32))
+            .collect();
+        let t = gpt2_tokenizer(vocab, Vec::new(), gpt2_pre(pre).unwrap()).unwrap();
+        let mut pts = PreTokenizedString::from(text);
+        t.get_pre_tokenizer()
+            .unwrap()
+            .pre_tokenize(&mut pts)
+            .unwrap();
+        pts.get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .map(|(piece, _, _)| piece.to_string())
+            .collect()
+    }
+
+    #[test]
+    fn pre_tokenizers_split_as_llama_cpp() {
+        let text = "I'LL pay 1234567 for it!!\n\n  x\ty";
+        assert_eq!(
+            split("qwen2", text),
+            [
+                "I", "'LL", "Ġpay", "Ġ", "1", "2", "3", "4", "5", "6", "7", "Ġfor", "Ġit", "!!ĊĊ",
+                "Ġ", "Ġx", "ĉy"
+            ]
+        );
+        assert_eq!(
+            split("llama-bpe", text),
+            [
+                "I", "'LL", "Ġpay", "Ġ", "123", "456", "7", "Ġfor", "Ġit", "!!ĊĊ", "Ġ", "Ġx", "ĉy"
+            ]
+        );
+        // GPT-2's split keeps `'LL` as letters (its contractions are lower
+        // case) and digit runs whole; smollm splits every digit first.
+        assert_eq!(
+            split("gpt-2", "I'LL pay 1234567\n\n  x"),
+            ["I", "'", "LL", "Ġpay", "Ġ1234567", "ĊĊĠ", "Ġx"]
+        );
+        assert_eq!(split("smollm", "pay 123"), ["pay", "Ġ", "1", "2", "3"]);
+        // llama.cpp's `default`: punctuation runs, then GPT-2's split,
+        // then digit runs cut in threes.
+        assert_eq!(
+            split("default", "a+b 12345"),
+            ["a", "+", "b", "Ġ", "123", "45"]
+        );
+        let e = gpt2_pre("nope").unwrap_err().to_string();
+        assert!(
+            e.contains("tokenizer.ggml.pre") && e.contains("`nope`") && e.contains("qwen2, "),
+            "{e}"
+        );
+        assert!(gpt2_pre("deepseek-r1-qwen").is_ok() && gpt2_pre("llama3").is_ok());
+        assert!(!gpt2_pre("qwen2").unwrap().add_bos && gpt2_pre("llama-bpe").unwrap().add_bos);
+    }
+
+    #[test]
+    fn control_looking_and_user_defined_tokens() {
+        use AddedKind::*;
+        assert_eq!(
+            added_token_kind(TYPE_USER_DEFINED, false, "<tool_call>"),
+            Plain
+        );
+        assert_eq!(
+            added_token_kind(TYPE_USER_DEFINED, true, "<|fim_prefix|>"),
+            Special
+        );
+        assert_eq!(
+            added_token_kind(TYPE_CONTROL, false, "<|im_start|>"),
+            Special
+        );
+        assert_eq!(added_token_kind(1, false, "hello"), None);
+        assert_eq!(added_token_kind(TYPE_CONTROL, false, "<|channel|>"), Plain);
     }
 
     #[test]
