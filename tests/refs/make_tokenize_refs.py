@@ -52,6 +52,7 @@ EXTRA = [
     ("long_spaces", "x" + " " * 20 + "y" + "\t" * 5 + "z" + "\n" * 7),
     ("unicode_ws", "a\u00a0b\u3000c\u2003d \u200b e"),
     ("combining", "e\u0301te\u0301 cafe\u0301 Zürich ÅNGSTRÖM"),
+    ("control_looking", "a</s>b </s> <|fim_pad|><|repo_name|>x<|file_sep|>"),
     ("punct", "Hello!!! What?!... (a) [b] {c} <d> \"e\" 'f' --g-- __h__ @i #j $k"),
 ]
 

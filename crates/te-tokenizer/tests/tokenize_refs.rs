@@ -158,7 +158,15 @@ fn check_qwen(name: &str, chat_ref: &str) {
     let ids = tok.encode_chat_with_tools(&messages, Some(&tools)).unwrap();
     assert_eq!(ids[0], 151644, "<|im_start|> first, no BOS");
     assert_eq!(tok.bos_id(), Some(151643));
-    assert!(tok.eos_ids().contains(&151645), "{:?}", tok.eos_ids());
+    // llama.cpp's end-of-generation set: `</s>` (a plain piece of Qwen's
+    // vocabulary that llama.cpp makes control), <|endoftext|>, <|im_end|>,
+    // <|fim_pad|>, <|repo_name|>, <|file_sep|>.
+    assert_eq!(
+        tok.eos_ids(),
+        &[128247, 151643, 151645, 151662, 151663, 151664],
+        "{:?}",
+        tok.eos_ids()
+    );
     assert_eq!(tok.encode("<|im_start|>", true).unwrap(), [151644]);
     assert_eq!(tok.encode("<tool_call>", false).unwrap(), [151657]);
     assert_eq!(tok.encode("<|fim_prefix|>", true).unwrap(), [151659]);
