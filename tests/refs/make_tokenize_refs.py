@@ -3,6 +3,7 @@
 with llama.cpp's `llama-tokenize`.
 
     python3 tests/refs/make_tokenize_refs.py LLAMA_TOKENIZE [MODEL ...]
+    python3 tests/refs/make_tokenize_refs.py LLAMA_TOKENIZE --pre-variants
 
 LLAMA_TOKENIZE: the `llama-tokenize` binary. MODEL: folder names below
 (default: all). The GGUF files are read from $TE_HOME (default
@@ -13,10 +14,19 @@ Each text is written to a file and tokenized with `-f FILE --no-escape
 special-token text parsed, BOS as the file's add_bos_token says) and once
 with `--no-parse-special` (`ids_no_parse_special`). The texts are those of
 tests/refs/smollm2-135m/tokenize.jsonl plus the cases below.
+
+`--pre-variants`: the same texts through other pre-tokenizers, for want of
+GGUF files that have them: a copy of qwen2.5-coder-0.5b's metadata (no
+tensors; llama-tokenize loads the vocabulary only) with
+`tokenizer.ggml.pre` set to each of PRE_VARIANTS (and, for `llama-bpe`,
+`add_bos_token` removed, so llama.cpp's default for that name applies:
+BOS added), written to qwen2.5-coder-0.5b/tokenize_pre_<pre>.jsonl.
+crates/te-tokenizer/tests/tokenize_refs.rs makes the same copy.
 """
 
 import json
 import os
+import struct
 import subprocess
 import sys
 import tempfile
@@ -42,8 +52,57 @@ EXTRA = [
     ("long_spaces", "x" + " " * 20 + "y" + "\t" * 5 + "z" + "\n" * 7),
     ("unicode_ws", "a\u00a0b\u3000c\u2003d \u200b e"),
     ("combining", "e\u0301te\u0301 cafe\u0301 Zürich ÅNGSTRÖM"),
+    ("control_looking", "a</s>b </s> <|fim_pad|><|repo_name|>x<|file_sep|>"),
     ("punct", "Hello!!! What?!... (a) [b] {c} <d> \"e\" 'f' --g-- __h__ @i #j $k"),
 ]
+
+
+PRE_VARIANTS = ["llama-bpe", "default", "gpt-2", "smollm"]
+EXTRA_PRE = [
+    ("digits_long", "x 1234567890123 y 12 345 6789 ٣٤٥٦٧"),
+    ("contractions_2", "you'RE 'll 'LL 'Ll ' s'd"),
+]
+
+
+def metadata_copy(src, dst, pre, drop):
+    """`src`'s metadata without tensors, `tokenizer.ggml.pre` = `pre`, the
+    keys of `drop` left out (GGUF v2/v3 layout)."""
+    data = Path(src).read_bytes()
+    assert data[:4] == b"GGUF"
+    version, = struct.unpack_from("<I", data, 4)
+    _, n_kv = struct.unpack_from("<QQ", data, 8)
+    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+    def skip(kind, pos):
+        if kind == 8:
+            n, = struct.unpack_from("<Q", data, pos)
+            return pos + 8 + n
+        if kind == 9:
+            item, n = struct.unpack_from("<IQ", data, pos)
+            pos += 12
+            if item in sizes:
+                return pos + sizes[item] * n
+            for _ in range(n):
+                pos = skip(item, pos)
+            return pos
+        return pos + sizes[kind]
+
+    def string(s):
+        b = s.encode()
+        return struct.pack("<Q", len(b)) + b
+
+    kept, pos = [], 24
+    for _ in range(n_kv):
+        start = pos
+        n, = struct.unpack_from("<Q", data, pos)
+        key = data[pos + 8:pos + 8 + n].decode()
+        kind, = struct.unpack_from("<I", data, pos + 8 + n)
+        pos = skip(kind, pos + 12 + n)
+        if key != "tokenizer.ggml.pre" and key not in drop:
+            kept.append(data[start:pos])
+    kept.append(string("tokenizer.ggml.pre") + struct.pack("<I", 8) + string(pre))
+    blob = b"GGUF" + struct.pack("<IQQ", version, 0, len(kept)) + b"".join(kept)
+    Path(dst).write_bytes(blob + b"\0" * (-len(blob) % 32))
 
 
 def tokenize(binary, gguf, text, parse_special):
@@ -67,24 +126,33 @@ def main():
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     binary = sys.argv[1]
-    names = sys.argv[2:] or list(MODELS)
     home = Path(os.environ.get("TE_HOME", Path.home() / ".cache" / "te"))
     base = [json.loads(l) for l in (REFS / "smollm2-135m" / "tokenize.jsonl").read_text().splitlines() if l.strip()]
     cases = [(c["name"], c["text"]) for c in base] + EXTRA
-    for name in names:
-        gguf = home / MODELS[name]
-        rows = []
-        for case, text in cases:
-            rows.append({
-                "name": case,
-                "text": text,
-                "ids": tokenize(binary, gguf, text, True),
-                "ids_no_parse_special": tokenize(binary, gguf, text, False),
-            })
-        out = REFS / name / "tokenize.jsonl"
-        out.parent.mkdir(exist_ok=True)
-        out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-        print(f"{out}: {len(rows)} texts")
+    if sys.argv[2:] == ["--pre-variants"]:
+        with tempfile.TemporaryDirectory() as tmp:
+            for pre in PRE_VARIANTS:
+                gguf = Path(tmp) / f"{pre}.gguf"
+                drop = {"tokenizer.ggml.add_bos_token"} if pre == "llama-bpe" else set()
+                metadata_copy(home / MODELS["qwen2.5-coder-0.5b"], gguf, pre, drop)
+                write(binary, gguf, cases + EXTRA_PRE, REFS / "qwen2.5-coder-0.5b" / f"tokenize_pre_{pre}.jsonl")
+        return
+    for name in sys.argv[2:] or list(MODELS):
+        write(binary, home / MODELS[name], cases, REFS / name / "tokenize.jsonl")
+
+
+def write(binary, gguf, cases, out):
+    rows = []
+    for case, text in cases:
+        rows.append({
+            "name": case,
+            "text": text,
+            "ids": tokenize(binary, gguf, text, True),
+            "ids_no_parse_special": tokenize(binary, gguf, text, False),
+        })
+    out.parent.mkdir(exist_ok=True)
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    print(f"{out}: {len(rows)} texts")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@
 //! fallback) and `tokenizer.json`, through the `tokenizers` crate; a byte
 //! tokenizer for random-weight models; incremental detokenization
 //! ([`DecodeStream`]: UTF-8-complete text deltas); chat templates
-//! ([`chat`], Jinja through `minijinja`, rendered as Hugging Face does).
+//! ([`chat`], Jinja through `minijinja`, rendered as Hugging Face does,
+//! tools and tool calls included).
 //!
-//! Main types: [`Tokenizer`], [`DecodeStream`], [`chat::ChatMessage`].
+//! Main types: [`Tokenizer`], [`DecodeStream`], [`chat::ChatMessage`],
+//! [`chat::ChatTemplateArgs`].
 //!
 //! Invariants: no model math; errors ([`TokenizerError`]) name the file,
 //! field or input at fault.

@@ -54,8 +54,8 @@ const TYPE_UNKNOWN: i32 = 2;
 const TYPE_CONTROL: i32 = 3;
 const TYPE_USER_DEFINED: i32 = 4;
 
-/// Control-token texts that end a turn or a document, treated as EOS in
-/// addition to `eos_token_id` (as llama.cpp does).
+/// Texts that end a turn or a document, taken as EOS for a
+/// `tokenizer.json` whose configs name no `eos_token_id`.
 const END_OF_GENERATION_TEXTS: &[&str] = &[
     "<|endoftext|>",
     "<|im_end|>",
@@ -74,11 +74,13 @@ const END_OF_GENERATION_TEXTS: &[&str] = &[
 /// user-defined, so they are control in llama.cpp: matched only when
 /// special text is parsed. (llama.cpp marks only the first of several
 /// texts of one keyed list it meets; vocabularies hold one each.) An
-/// empty key list: always.
-const CONTROL_LOOKING: &[(&[&str], &[&str])] = &[
-    (
-        &["tokenizer.ggml.eot_token_id"],
-        &[
+/// empty key list: always. Those marked `end_of_generation` end
+/// generation too (llama.cpp's end-of-generation set: end of turn, FIM
+/// pad/repo/file separator, `<|endoftext|>`, ...).
+const CONTROL_LOOKING: &[ControlLooking] = &[
+    ControlLooking {
+        keys: &["tokenizer.ggml.eot_token_id"],
+        texts: &[
             "<|eot_id|>",
             "<|im_end|>",
             "<|end|>",
@@ -91,14 +93,19 @@ const CONTROL_LOOKING: &[(&[&str], &[&str])] = &[
             "<｜end▁of▁sentence｜>",
             "<end_of_utterance>",
         ],
-    ),
-    (&["tokenizer.ggml.eom_token_id"], &["<|eom_id|>"]),
-    (
-        &[
+        end_of_generation: true,
+    },
+    ControlLooking {
+        keys: &["tokenizer.ggml.eom_token_id"],
+        texts: &["<|eom_id|>"],
+        end_of_generation: true,
+    },
+    ControlLooking {
+        keys: &[
             "tokenizer.ggml.fim_pre_token_id",
             "tokenizer.ggml.prefix_token_id",
         ],
-        &[
+        texts: &[
             "<|fim_prefix|>",
             "<fim-prefix>",
             "<fim_prefix>",
@@ -108,13 +115,14 @@ const CONTROL_LOOKING: &[(&[&str], &[&str])] = &[
             "<|code_prefix|>",
             "<|prefix|>",
         ],
-    ),
-    (
-        &[
+        end_of_generation: false,
+    },
+    ControlLooking {
+        keys: &[
             "tokenizer.ggml.fim_suf_token_id",
             "tokenizer.ggml.suffix_token_id",
         ],
-        &[
+        texts: &[
             "<|fim_suffix|>",
             "<fim-suffix>",
             "<fim_suffix>",
@@ -124,13 +132,14 @@ const CONTROL_LOOKING: &[(&[&str], &[&str])] = &[
             "<|code_suffix|>",
             "<|suffix|>",
         ],
-    ),
-    (
-        &[
+        end_of_generation: false,
+    },
+    ControlLooking {
+        keys: &[
             "tokenizer.ggml.fim_mid_token_id",
             "tokenizer.ggml.middle_token_id",
         ],
-        &[
+        texts: &[
             "<|fim_middle|>",
             "<fim-middle>",
             "<fim_middle>",
@@ -140,25 +149,32 @@ const CONTROL_LOOKING: &[(&[&str], &[&str])] = &[
             "<|code_middle|>",
             "<|middle|>",
         ],
-    ),
-    (
-        &["tokenizer.ggml.fim_pad_token_id"],
-        &["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"],
-    ),
-    (
-        &["tokenizer.ggml.fim_rep_token_id"],
-        &[
+        end_of_generation: false,
+    },
+    ControlLooking {
+        keys: &["tokenizer.ggml.fim_pad_token_id"],
+        texts: &["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"],
+        end_of_generation: true,
+    },
+    ControlLooking {
+        keys: &["tokenizer.ggml.fim_rep_token_id"],
+        texts: &[
             "<|fim_repo|>",
             "<|repo_name|>",
             "<fim-repo>",
             "<REPO>",
             "<reponame>",
         ],
-    ),
-    (&["tokenizer.ggml.fim_sep_token_id"], &["<|file_sep|>"]),
-    (
-        &[],
-        &[
+        end_of_generation: true,
+    },
+    ControlLooking {
+        keys: &["tokenizer.ggml.fim_sep_token_id"],
+        texts: &["<|file_sep|>"],
+        end_of_generation: true,
+    },
+    ControlLooking {
+        keys: &[],
+        texts: &[
             "<|eot_id|>",
             "<|im_end|>",
             "<|end|>",
@@ -182,8 +198,19 @@ const CONTROL_LOOKING: &[(&[&str], &[&str])] = &[
             "<｜end▁of▁sentence｜>",
             "[e~[",
         ],
-    ),
+        end_of_generation: true,
+    },
 ];
+
+/// One list of [`CONTROL_LOOKING`].
+struct ControlLooking {
+    /// GGUF keys whose presence turns the list off (its id is the key's).
+    keys: &'static [&'static str],
+    /// Texts that become control tokens.
+    texts: &'static [&'static str],
+    /// Whether they also end generation.
+    end_of_generation: bool,
+}
 
 /// Texts llama.cpp makes user-defined whatever their type (gpt-oss).
 const ALWAYS_USER_DEFINED: &[&str] = &["<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"];
@@ -338,14 +365,13 @@ impl Tokenizer {
 
         let control_lists = CONTROL_LOOKING
             .iter()
-            .filter(|(keys, _)| keys.iter().all(|k| file.metadata(k).is_none()))
-            .map(|(_, texts)| *texts)
+            .filter(|list| list.keys.iter().all(|k| file.metadata(k).is_none()))
             .collect::<Vec<_>>();
         let added: Vec<AddedToken> = tokens
             .iter()
             .zip(&types)
             .filter_map(|(&text, &t)| {
-                let control = control_lists.iter().any(|list| list.contains(&text));
+                let control = control_lists.iter().any(|list| list.texts.contains(&text));
                 match added_token_kind(t, control, text) {
                     AddedKind::None => None,
                     kind => {
@@ -379,20 +405,41 @@ impl Tokenizer {
         }
 
         let primary_eos = opt_u32("tokenizer.ggml.eos_token_id")?;
+        // llama.cpp's end-of-generation set: the ids of these keys, and
+        // the end-of-generation texts of `CONTROL_LOOKING` (whatever their
+        // type), less gpt-oss's `<|end|>`.
         let mut eos_ids = Vec::new();
         for key in [
             "tokenizer.ggml.eos_token_id",
             "tokenizer.ggml.eot_token_id",
             "tokenizer.ggml.eom_token_id",
+            "tokenizer.ggml.fim_pad_token_id",
+            "tokenizer.ggml.fim_rep_token_id",
+            "tokenizer.ggml.fim_sep_token_id",
         ] {
             if let Some(id) = opt_u32(key)? {
                 eos_ids.push(id);
             }
         }
-        for (id, (&text, &t)) in tokens.iter().zip(&types).enumerate() {
-            if t == TYPE_CONTROL && END_OF_GENERATION_TEXTS.contains(&text) {
+        let mut end_id = None;
+        let mut eog_texts = Vec::new();
+        for (id, &text) in tokens.iter().enumerate() {
+            if control_lists
+                .iter()
+                .any(|list| list.end_of_generation && list.texts.contains(&text))
+            {
                 eos_ids.push(id as u32);
+                eog_texts.push(text);
+                if text == "<|end|>" {
+                    end_id = Some(id as u32);
+                }
             }
+        }
+        let has = |t: &str| eog_texts.contains(&t);
+        if has("<|end|>")
+            && ((has("<|return|>") && has("<|call|>")) || (has("<|calls|>") && has("<|flush|>")))
+        {
+            eos_ids.retain(|&id| Some(id) != end_id);
         }
         eos_ids.sort_unstable();
         eos_ids.dedup();
@@ -765,8 +812,13 @@ impl Tokenizer {
         self.bos_id
     }
 
-    /// Ids that end generation: `eos_token_id`, `eot_token_id`, and
-    /// end-of-turn control tokens (`<|im_end|>`, `<end_of_turn>`, ...), sorted.
+    /// Ids that end generation, sorted. From GGUF, llama.cpp's set: the
+    /// `eos`, `eot`, `eom` and FIM pad/repo/separator token ids, and the
+    /// tokens whose text is one of llama.cpp's end-of-generation texts
+    /// (`<|im_end|>`, `<|endoftext|>`, `<end_of_turn>`, `<|eot_id|>`,
+    /// Qwen's `<|fim_pad|>`, `<|repo_name|>`, `<|file_sep|>`, ...). From
+    /// `tokenizer.json`: `eos_token_id` of the configs, else end-of-turn
+    /// texts.
     pub fn eos_ids(&self) -> &[u32] {
         &self.eos_ids
     }
