@@ -1,5 +1,6 @@
 //! Context-parallel generation on threads (`te generate --context-parallel
-//! N`): the reference greedy tokens at 3 and 4 ranks, the tokens of one
+//! N`): the reference greedy tokens at 3 and 4 ranks (Qwen2.5-Coder 0.5B
+//! at 4), the tokens of one
 //! rank on prompts longer than Gemma 3's sliding window and than one
 //! prefill chunk, last-position logits within 1e-4 of one rank, a prompt
 //! whose KV cache does not fit one rank, and a rank that fails mid-run.
@@ -49,6 +50,13 @@ fn smollm2_reference_tokens_on_4_and_3_ranks() {
 fn gemma3_reference_tokens_on_4_and_3_ranks() {
     check_greedy_batched_with("gemma3-270m", &["--context-parallel", "4"]);
     check_greedy_batched_with("gemma3-270m", &["--context-parallel", "3"]);
+}
+
+/// Qwen2 (q/k/v biases) on 4 ranks: every reference prompt, the
+/// 1,020-token one among them, gives the float64 reference's tokens.
+#[test]
+fn qwen25_coder_reference_tokens_on_4_ranks() {
+    check_greedy_batched_with("qwen2.5-coder-0.5b", &["--context-parallel", "4"]);
 }
 
 /// Prompts longer than one 512-token prefill chunk (and, on Gemma 3, than

@@ -68,3 +68,37 @@ fn gpl3_perplexity_matches_float64_to_4_decimals() {
         );
     }
 }
+
+/// `te generate --chat` renders the file's own template (Qwen's, with its
+/// default system message) exactly as Hugging Face does: the prompt tokens
+/// of the chat-templated reference prompt, then its greedy tokens.
+#[test]
+fn chat_prompt_renders_as_hugging_face() {
+    for model in [SMALL, LARGE] {
+        let line = read_jsonl(model, "greedy.jsonl")
+            .into_iter()
+            .find(|l| l["name"] == "chat")
+            .expect("a chat prompt");
+        let messages = line["chat_messages"].as_array().unwrap();
+        assert_eq!(messages.len(), 1);
+        let user = messages[0]["content"].as_str().unwrap();
+        let out = te_json(&[
+            "generate",
+            "--model",
+            model,
+            "--chat",
+            "--json",
+            "--max-new-tokens",
+            "32",
+            "--ignore-eos",
+            "--prompt",
+            user,
+        ]);
+        assert_eq!(
+            ids(&out[0]["prompt_tokens"]),
+            ids(&line["prompt_tokens"]),
+            "{model}"
+        );
+        assert_eq!(ids(&out[0]["tokens"]), ids(&line["tokens"]), "{model}");
+    }
+}

@@ -158,6 +158,12 @@ fn gemma3_convert_roundtrip_gives_reference_tokens() {
     check_roundtrip("gemma3-270m");
 }
 
+/// Qwen2 (q/k/v biases, untied output, no Q/K permutation to undo).
+#[test]
+fn qwen25_coder_convert_roundtrip_gives_reference_tokens() {
+    check_roundtrip("qwen2.5-coder-0.5b");
+}
+
 #[test]
 fn convert_rejects_a_hf_directory() {
     let tmp = TempDir::new("reject");

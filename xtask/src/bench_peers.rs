@@ -1,7 +1,8 @@
-//! `cargo xtask bench --vs-llama-cpp [--threads N] [--rounds R]`: te-rs
-//! against llama.cpp on the same GGUF files, the same threads, in one run.
+//! `cargo xtask bench --vs-llama-cpp [--threads N] [--rounds R] [--model
+//! NAME]...`: te-rs against llama.cpp on the same GGUF files, the same
+//! threads, in one run.
 //!
-//! For each known model, in `R` rounds (default 3), each round alternating
+//! For each model ([`MODELS`], or those `--model` names), in `R` rounds (default 3), each round alternating
 //! which engine goes first: llama.cpp's `llama-bench -p 128,512 -n 64 -r 3
 //! -o json` and `te bench` with the same arguments; `llama-batched-bench
 //! -npp 128 -ntg 128 -npl 1,8,32 --output-format jsonl` and `te bench
@@ -25,8 +26,8 @@ use std::process::{Command, Stdio};
 use anyhow::{bail, Context};
 use serde_json::Value;
 
-/// The models compared.
-const MODELS: [&str; 2] = ["smollm2-135m", "gemma3-270m"];
+/// The models compared by default.
+const MODELS: [&str; 3] = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-1.5b"];
 
 /// llama-bench's tests, and its repetitions.
 const N_PROMPT: &str = "128,512";
@@ -46,14 +47,23 @@ const MEM_PROMPT: &str = "The capital of France is";
 pub fn run(args: &[String]) -> anyhow::Result<()> {
     let mut threads = 2usize;
     let mut rounds = 3usize;
+    let mut models: Vec<String> = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--vs-llama-cpp" => {}
             "--threads" | "-t" => threads = positive(a, it.next())?,
             "--rounds" => rounds = positive(a, it.next())?,
+            "--model" | "-m" => match it.next() {
+                Some(m) if MODELS.contains(&m.as_str()) => models.push(m.clone()),
+                other => bail!(
+                    "bench --vs-llama-cpp: --model takes one of {} (got {other:?})",
+                    MODELS.join(", ")
+                ),
+            },
             other => bail!(
-                "bench --vs-llama-cpp: unknown argument `{other}` (takes --threads N, --rounds R)"
+                "bench --vs-llama-cpp: unknown argument `{other}` (takes --threads N, --rounds R, \
+                 --model NAME)"
             ),
         }
     }
@@ -62,7 +72,11 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     }
     let llama = crate::peers::ensure_llama_cpp()?;
     let te = crate::build_te(&[])?;
-    crate::fetch_models::fetch(&MODELS)?;
+    if models.is_empty() {
+        models = MODELS.iter().map(|m| m.to_string()).collect();
+    }
+    let names: Vec<&str> = models.iter().map(String::as_str).collect();
+    crate::fetch_models::fetch(&names)?;
     let t = threads.to_string();
     println!("## te-rs and llama.cpp, same run\n");
     println!(
@@ -80,7 +94,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     // takes the cores.
     eprintln!("bench: load average at start: {}", load_average());
     println!("| model | test | llama.cpp | te-rs | te-rs / llama.cpp |\n|---|---|---|---|---|");
-    for (i, name) in MODELS.iter().enumerate() {
+    for (i, name) in names.iter().enumerate() {
         let source = te_models::source::resolve_model(name)?;
         let te_models::source::ModelSource::Gguf(file) = source else {
             bail!("{name} did not resolve to a GGUF file");
