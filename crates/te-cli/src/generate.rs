@@ -14,7 +14,7 @@ use te_tokenizer::chat::ChatMessage;
 #[command(allow_negative_numbers = true)]
 pub struct Args {
     /// GGUF file, Hugging Face directory, or known model name
-    /// (smollm2-135m, gemma3-270m).
+    /// (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b).
     #[arg(long)]
     model: String,
     /// A prompt (repeat for a batch).

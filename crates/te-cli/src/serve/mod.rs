@@ -45,7 +45,7 @@ use state::{AppState, ServeSettings};
 #[derive(clap::Args)]
 pub struct Args {
     /// GGUF file, Hugging Face directory, or known model name
-    /// (smollm2-135m, gemma3-270m).
+    /// (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b).
     #[arg(long)]
     model: String,
     #[command(flatten)]
