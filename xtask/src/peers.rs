@@ -1,5 +1,6 @@
 //! `cargo xtask peers`: build the peer we measure against, llama.cpp, once
-//! into a cache, for `cargo xtask bench --vs-llama-cpp`.
+//! into a cache, for `cargo xtask bench --vs-llama-cpp` (and its
+//! `llama-tokenize`, which makes the token ids of `tests/refs/`).
 //!
 //! The copy of llama.cpp is the one vendored in the `llama-cpp-python`
 //! source distribution on the Python package index ([`LLAMA_CPP_PYTHON`]),
