@@ -9,8 +9,11 @@
 //! cmake with apt-get and scikit-build-core (the sdist's build backend, which
 //! pip runs even to download it) with pip if they are missing, `pip
 //! download` the sdist, unpack
-//! it, configure with cmake (Release, native CPU, no curl, no tests, no
-//! server) and build [`TOOLS`] with `-j` = the machine's cores. The cache
+//! it, configure with cmake (Release, no curl, no tests, no server; the
+//! CPU features named explicitly from `/proc/cpuinfo`, never
+//! `GGML_NATIVE`: some of these machines report AMX tiles without the AMX
+//! instructions ggml's native build then uses, and llama.cpp dies with
+//! SIGILL; see [`cpu_flags`]) into `build-portable/` and build [`TOOLS`] with `-j` = the machine's cores. The cache
 //! is `$TE_HOME/peers/llama.cpp-<commit>/`; a second run finds the
 //! binaries and only prints where they are. Not part of CI.
 
@@ -68,11 +71,54 @@ pub fn cache_dir() -> PathBuf {
 
 /// The built llama.cpp, if the cache already holds every one of [`TOOLS`].
 pub fn cached() -> Option<LlamaCpp> {
-    let bin = source_dir(&cache_dir()).join("build").join("bin");
+    let bin = source_dir(&cache_dir()).join(BUILD_DIR).join("bin");
     TOOLS
         .iter()
         .all(|t| bin.join(t).is_file())
         .then_some(LlamaCpp { bin })
+}
+
+/// The build directory inside the llama.cpp source (not `build/`, which
+/// an earlier `GGML_NATIVE=ON` configuration may hold).
+const BUILD_DIR: &str = "build-portable";
+
+/// ggml's CPU options for this machine: `GGML_NATIVE=OFF`, AVX, AVX2,
+/// FMA, F16C and the AVX-512 subsets `/proc/cpuinfo` lists (AVX-512F,
+/// BW, DQ, VL, CD together; VBMI, VNNI, BF16 each), never AMX.
+fn cpu_flags() -> Vec<String> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let flags: std::collections::HashSet<&str> = info
+        .lines()
+        .find(|l| l.starts_with("flags"))
+        .map(|l| l.split_whitespace().collect())
+        .unwrap_or_default();
+    let has = |f: &[&str]| f.iter().all(|x| flags.contains(x));
+    let mut out = vec!["-DGGML_NATIVE=OFF".to_string()];
+    for (option, needs) in [
+        ("GGML_AVX", &["avx"][..]),
+        ("GGML_AVX2", &["avx2"]),
+        ("GGML_FMA", &["fma"]),
+        ("GGML_F16C", &["f16c"]),
+        (
+            "GGML_AVX512",
+            &["avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"],
+        ),
+        ("GGML_AVX512_VBMI", &["avx512vbmi"]),
+        ("GGML_AVX512_VNNI", &["avx512_vnni"]),
+        ("GGML_AVX512_BF16", &["avx512_bf16"]),
+    ] {
+        let on = if has(needs) { "ON" } else { "OFF" };
+        out.push(format!("-D{option}={on}"));
+    }
+    out.extend(
+        [
+            "-DGGML_AMX_TILE=OFF",
+            "-DGGML_AMX_INT8=OFF",
+            "-DGGML_AMX_BF16=OFF",
+        ]
+        .map(String::from),
+    );
+    out
 }
 
 fn source_dir(cache: &Path) -> PathBuf {
@@ -111,19 +157,26 @@ pub fn ensure_llama_cpp() -> anyhow::Result<LlamaCpp> {
             );
         }
     }
-    let build = src.join("build");
+    let build = src.join(BUILD_DIR);
     if !build.join("CMakeCache.txt").is_file() {
-        eprintln!("peers: configuring llama.cpp in {}", src.display());
+        let flags = cpu_flags();
+        eprintln!(
+            "peers: configuring llama.cpp in {} ({})",
+            src.display(),
+            flags.join(" ")
+        );
         run_cmd(
-            Command::new("cmake").current_dir(&src).args([
-                "-B",
-                "build",
-                "-DCMAKE_BUILD_TYPE=Release",
-                "-DLLAMA_CURL=OFF",
-                "-DGGML_NATIVE=ON",
-                "-DLLAMA_BUILD_TESTS=OFF",
-                "-DLLAMA_BUILD_SERVER=OFF",
-            ]),
+            Command::new("cmake")
+                .current_dir(&src)
+                .args([
+                    "-B",
+                    BUILD_DIR,
+                    "-DCMAKE_BUILD_TYPE=Release",
+                    "-DLLAMA_CURL=OFF",
+                    "-DLLAMA_BUILD_TESTS=OFF",
+                    "-DLLAMA_BUILD_SERVER=OFF",
+                ])
+                .args(&flags),
             "cmake (configure)",
         )?;
     }
@@ -135,7 +188,7 @@ pub fn ensure_llama_cpp() -> anyhow::Result<LlamaCpp> {
     run_cmd(
         Command::new("cmake")
             .current_dir(&src)
-            .args(["--build", "build", "-j", &jobs.to_string(), "--target"])
+            .args(["--build", BUILD_DIR, "-j", &jobs.to_string(), "--target"])
             .args(TOOLS),
         "cmake --build",
     )?;
