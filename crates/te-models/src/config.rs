@@ -267,6 +267,67 @@ impl ModelConfig {
                 return bad(field, format!("{c} must be > 0"));
             }
         }
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        match self.rope_scaling {
+            RopeScaling::None => {}
+            RopeScaling::Linear { factor } => {
+                if !positive(factor) {
+                    return bad("rope_scaling.factor", format!("{factor} must be > 0"));
+                }
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                for (field, v) in [
+                    ("rope_scaling.factor", factor),
+                    ("rope_scaling.low_freq_factor", low_freq_factor),
+                ] {
+                    if !positive(v) {
+                        return bad(field, format!("{v} must be > 0"));
+                    }
+                }
+                if !(high_freq_factor > low_freq_factor && high_freq_factor.is_finite()) {
+                    return bad(
+                        "rope_scaling.high_freq_factor",
+                        format!("{high_freq_factor} must exceed low_freq_factor {low_freq_factor}"),
+                    );
+                }
+                if original_max_position_embeddings == 0 {
+                    return bad(
+                        "rope_scaling.original_max_position_embeddings",
+                        "0 must be at least 1".into(),
+                    );
+                }
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                attention_factor,
+                ..
+            } => {
+                for (field, v) in [
+                    ("rope_scaling.factor", factor),
+                    ("rope_scaling.beta_fast", beta_fast),
+                    ("rope_scaling.beta_slow", beta_slow),
+                    ("rope_scaling.attention_factor", attention_factor),
+                ] {
+                    if !positive(v) {
+                        return bad(field, format!("{v} must be > 0"));
+                    }
+                }
+                if original_max_position_embeddings == 0 {
+                    return bad(
+                        "rope_scaling.original_max_position_embeddings",
+                        "0 must be at least 1".into(),
+                    );
+                }
+            }
+        }
         if let Some(f) = &self.rope_freq_factors {
             if f.len() != self.head_dim / 2 || f.iter().any(|x| !(x.is_finite() && *x > 0.0)) {
                 return bad(

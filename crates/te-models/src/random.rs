@@ -205,13 +205,13 @@ pub const PRESETS: &[Preset] = &[
     },
     Preset {
         name: "tiny-qwen2",
-        about: "a 3-layer Qwen2: q/k/v biases, YaRN (factor 4 over 8 positions), sliding window 5 from layer 2, tied",
+        about: "a 3-layer Qwen2: q/k/v biases, YaRN (factor 4 over 16 positions), sliding window 5 from layer 2, tied",
         config_json: r#"{
   "model_type": "qwen2", "bos_token_id": 1, "eos_token_id": 2,
   "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 160,
-  "max_position_embeddings": 32, "num_attention_heads": 4, "num_hidden_layers": 3,
+  "max_position_embeddings": 64, "num_attention_heads": 4, "num_hidden_layers": 3,
   "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-  "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+  "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
   "use_sliding_window": true, "max_window_layers": 2, "sliding_window": 5,
   "tie_word_embeddings": true, "vocab_size": 320
 }"#,

@@ -315,6 +315,26 @@ fn unsupported_variants_are_refused_naming_the_field() {
         assert!(err.contains(needle), "{needle}: {err}");
     }
     for (field, value, needle) in [
+        (
+            "rope_scaling",
+            serde_json::json!({"type": "yarn", "factor": 0.0}),
+            "rope_scaling.factor",
+        ),
+        (
+            "rope_scaling",
+            serde_json::json!({"type": "yarn", "factor": 4.0, "beta_fast": -1.0}),
+            "rope_scaling.beta_fast",
+        ),
+        (
+            "layer_types",
+            serde_json::json!(["full_attention", "full_attention", "full_attention"]),
+            "3 entries for 2 layers",
+        ),
+        (
+            "layer_types",
+            serde_json::json!(["full_attention", "bogus"]),
+            "bogus",
+        ),
         ("num_experts", serde_json::json!(8), "mixture-of-experts"),
         (
             "partial_rotary_factor",

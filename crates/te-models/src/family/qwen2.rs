@@ -42,13 +42,18 @@ fn from_hf(raw: &HfConfig, s: &Shared) -> Result<Specifics> {
     })
 }
 
-/// Qwen2/Qwen3 sliding windows: `layer_types` when given, else, with
-/// `use_sliding_window` true, `sliding_window` on layers `i >=
-/// max_window_layers`; `None` (every layer global) otherwise.
+/// Qwen2/Qwen3 sliding windows as Hugging Face's configs set them: the
+/// window is `sliding_window` only with `use_sliding_window` true (else
+/// none, whatever else is written); `layer_types`, when given (and always
+/// checked), says which layers slide; without it layers `i >=
+/// max_window_layers` do. `None`: every layer global.
 pub(super) fn qwen_windows(raw: &HfConfig, s: &Shared) -> Result<Option<Vec<Option<usize>>>> {
     let window = raw.sliding_window.filter(|_| raw.use_sliding_window == Some(true));
-    if let (Some(types), Some(w)) = (&raw.layer_types, raw.sliding_window) {
-        return hf_layer_types(types, w).map(Some);
+    if let Some(types) = &raw.layer_types {
+        let slides = hf_layer_types(types, 1)?;
+        return Ok(Some(
+            slides.into_iter().map(|w| w.and(window)).collect(),
+        ));
     }
     Ok(window.map(|w| {
         let first = raw.max_window_layers.unwrap_or(0);
