@@ -362,6 +362,10 @@ fn unsupported_variants_are_refused_naming_the_field() {
     }
 }
 
+/// A batch beside our sequence: its name, the chunk sizes of the batch's
+/// first and second sequence, when each joins, and which one is ours.
+type BatchCase<'a> = (&'a str, [&'a [usize]; 2], [usize; 2], usize);
+
 /// Batch invariance on every family: a sequence fed the same chunks
 /// (a 7-token prefill, then decode; or chunks of 5, 3, then decode) gets
 /// the same logits bits alone in a contiguous cache as inside a ragged
@@ -406,8 +410,7 @@ fn logits_are_bit_identical_alone_and_in_ragged_batches() {
             )
             .unwrap();
             let want = bits(&alone[0]);
-            // (sequence order, sizes of [first, second], joins, which is ours)
-            let cases: [(&str, [&[usize]; 2], [usize; 2], usize); 3] = [
+            let cases: [BatchCase; 3] = [
                 ("other joins later", [sizes, &[b]], [0, 2], 0),
                 ("other prefills beside", [sizes, &[4, 1]], [0, 1], 0),
                 ("ours second", [&[3, 1], sizes], [0, 0], 1),
