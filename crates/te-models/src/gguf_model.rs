@@ -1,6 +1,6 @@
 //! GGUF files as models: the config from GGUF metadata
 //! (`<arch>.block_count`, ...) and the file as a
-//! [`TensorSource`](te_formats::TensorSource).
+//! [`TensorSource`].
 //!
 //! Facts not stored in GGUF (window patterns, local RoPE bases, the Q/K
 //! row permutation of llama files) are the families' ([`crate::family`]).
