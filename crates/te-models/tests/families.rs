@@ -169,6 +169,14 @@ fn try_gguf_of(
             data: factors.iter().flat_map(|f| f.to_le_bytes()).collect(),
         });
     }
+    // The tiny llama's gpt2 tokenizer (64 tokens), for `te convert`.
+    if s.vocab_size == tiny_gguf::VOCAB {
+        for (k, v) in tiny_gguf::tiny_llama().kvs {
+            if k.starts_with("tokenizer.") {
+                g.set(&k, v);
+            }
+        }
+    }
     let file = g.write(arch);
     let gguf = te_formats::gguf::GgufFile::open(&file.path)?;
     let cfg = te_models::gguf_model::config_from_gguf(&gguf)?;
@@ -430,5 +438,69 @@ fn logits_are_bit_identical_alone_and_in_ragged_batches() {
                 );
             }
         }
+    }
+}
+
+/// `te convert` (GGUF to a Hugging Face directory) for each new family:
+/// the directory loads as the same family and matches the float64
+/// reference in every feeding mode (Q/K rows un-permuted for `mistral`,
+/// `rope_freqs` written back as Llama 3.1's `rope_scaling`, biases and q/k
+/// norms carried).
+#[test]
+fn converted_directories_match_f64_reference() {
+    // Llama 3.1's own parameters: `te convert` recognises released ones.
+    let llama3 = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192,
+    };
+    let yarn = [
+        ("rope.scaling.type", Value::Str("yarn".into())),
+        ("rope.scaling.factor", Value::F32(4.0)),
+        ("rope.scaling.original_context_length", Value::U32(8)),
+    ];
+    let window = [("attention.sliding_window", Value::U32(5))];
+    let cases: [(Spec, &str, &[(&str, Value)]); 4] = [
+        (
+            Spec {
+                rope_scaling: Some(RopeScaling::Yarn {
+                    factor: 4.0,
+                    original_max_position_embeddings: 8,
+                }),
+                ..Spec::qwen2()
+            },
+            "qwen2",
+            &yarn,
+        ),
+        (Spec::qwen3(), "qwen3", &[]),
+        (Spec::mistral(), "mistral", &window),
+        (
+            Spec {
+                rope_theta: 500000.0,
+                rope_scaling: Some(llama3),
+                ..Spec::llama()
+            },
+            "llama",
+            &[],
+        ),
+    ];
+    for (spec, arch, extra) in cases {
+        let ck = Checkpoint::write(Spec {
+            vocab_size: tiny_gguf::VOCAB,
+            ..spec
+        });
+        let (file, _) = gguf_of(&ck, arch, extra);
+        let out = tiny::temp_dir(&format!("convert-{arch}"));
+        te_models::convert::convert_gguf_to_hf(
+            &file.path,
+            &out,
+            te_models::convert::OutputDtype::F32,
+        )
+        .unwrap_or_else(|e| panic!("{arch}: {e}"));
+        let model = tiny::load_dir(&out).expect("load the converted directory");
+        assert_eq!(model.config.architecture.name(), arch);
+        check_model_all_modes(&ck, &model, 20, "converted");
+        std::fs::remove_dir_all(&out).unwrap();
     }
 }
