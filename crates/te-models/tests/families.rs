@@ -441,6 +441,9 @@ fn logits_are_bit_identical_alone_and_in_ragged_batches() {
     }
 }
 
+/// A model to convert: its spec, GGUF architecture and extra metadata.
+type ConvertCase<'a> = (Spec, &'a str, &'a [(&'a str, Value)]);
+
 /// `te convert` (GGUF to a Hugging Face directory) for each new family:
 /// the directory loads as the same family and matches the float64
 /// reference in every feeding mode (Q/K rows un-permuted for `mistral`,
@@ -461,7 +464,7 @@ fn converted_directories_match_f64_reference() {
         ("rope.scaling.original_context_length", Value::U32(8)),
     ];
     let window = [("attention.sliding_window", Value::U32(5))];
-    let cases: [(Spec, &str, &[(&str, Value)]); 4] = [
+    let cases: [ConvertCase; 4] = [
         (
             Spec {
                 rope_scaling: Some(RopeScaling::Yarn {
