@@ -29,9 +29,10 @@ fn has_layer_bias(f: &GgufFile, roles: &[&str]) -> bool {
 /// family shares here, the rest from the family ([`crate::family::Family::from_gguf`]).
 ///
 /// Errors: `general.architecture` not a family te-rs runs (named); a
-/// required key missing or of the wrong type (named); a mixture of experts
-/// (`<arch>.expert_count`), partial rotary (`<arch>.rope.dimension_count`
-/// below the head dim) or an unknown `rope.scaling.type` (named).
+/// required key missing or of the wrong type (named); an unknown
+/// `rope.scaling.type` (named). Mixtures of experts and partial rotary
+/// (`<arch>.expert_count`, `<arch>.rope.dimension_count`) are refused by
+/// [`crate::validate`], naming the file.
 ///
 /// `rope_freqs.weight` (llama.cpp's Llama 3.1 scaling: one divisor per
 /// frequency) is read into [`ModelConfig::rope_freq_factors`].
@@ -64,21 +65,6 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<ModelConfig> {
             })
         }
     };
-    if let Some(n) = k.opt_usize("expert_count")?.filter(|n| *n > 0) {
-        return Err(ModelError::Config {
-            field: key("expert_count"),
-            reason: format!("{n} experts: mixture-of-experts models are not supported"),
-        });
-    }
-    if let Some(n) = k
-        .opt_usize("rope.dimension_count")?
-        .filter(|n| *n != head_dim)
-    {
-        return Err(ModelError::Config {
-            field: key("rope.dimension_count"),
-            reason: format!("{n} of head_dim {head_dim}: te-rs rotates the whole head only"),
-        });
-    }
     let rope_freq_factors = match f.tensor_info("rope_freqs.weight") {
         None => None,
         Some(_) => Some(f.load("rope_freqs.weight")?.1),

@@ -303,8 +303,20 @@ fn llama3_rope_freqs_give_the_llama3_frequencies() {
 /// What a family does not run is refused at load, naming it.
 #[test]
 fn unsupported_variants_are_refused_naming_the_field() {
-    let ck = Checkpoint::write(Spec::qwen2());
-    assert!(try_gguf_of(&ck, "qwen2", &[]).is_ok());
+    // GGUF, through the loader (validation included), with a tokenizer.
+    let ck = Checkpoint::write(Spec {
+        vocab_size: tiny_gguf::VOCAB,
+        ..Spec::qwen2()
+    });
+    // The file with `extra` metadata: read as tests read GGUF here, then
+    // loaded as `te` loads it.
+    let load = |extra: &[(&str, Value)]| {
+        let (file, _) = try_gguf_of(&ck, "qwen2", extra).map_err(|e| e.to_string())?;
+        te_models::loader::load_model(&te_models::source::ModelSource::Gguf(file.path.clone()))
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    assert_eq!(load(&[]), Ok(()));
     for (extra, needle) in [
         (("expert_count", Value::U32(8)), "mixture-of-experts"),
         (
@@ -316,12 +328,10 @@ fn unsupported_variants_are_refused_naming_the_field() {
             "longrope",
         ),
     ] {
-        let err = match try_gguf_of(&ck, "qwen2", &[extra]) {
-            Ok(_) => panic!("{needle}: loaded"),
-            Err(e) => e.to_string(),
-        };
+        let err = load(&[extra]).expect_err(needle);
         assert!(err.contains(needle), "{needle}: {err}");
     }
+    let ck = Checkpoint::write(Spec::qwen2());
     for (field, value, needle) in [
         (
             "rope_scaling",
