@@ -150,6 +150,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         min_p: args.min_p,
         repetition_penalty: args.repeat_penalty,
         seed: args.seed,
+        ..SamplingParams::default()
     };
     sampling.validate().map_err(anyhow::Error::msg)?;
     let mut device = args.device.clone();
@@ -307,7 +308,7 @@ impl Job<'_> {
         while engine.has_work() {
             for event in engine.step()? {
                 let (id, text) = match event {
-                    Event::Token { id, token, text } => {
+                    Event::Token { id, token, text, .. } => {
                         outputs[id as usize].tokens.push(token);
                         (id, text)
                     }

@@ -590,6 +590,7 @@ impl<'a> Engine<'a> {
                 id: seq.id,
                 token: tok,
                 text,
+                logprobs: seq.data.sampler.take_logprobs(),
             });
             let reason = if stopped {
                 Some(FinishReason::Stop)

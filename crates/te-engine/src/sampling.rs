@@ -1,13 +1,28 @@
 //! Choosing the next token from logits: greedy, or sampling with
-//! repetition penalty, temperature, top-k, top-p and min-p from a seeded
-//! RNG.
+//! repetition, presence and frequency penalties, logit bias, temperature,
+//! top-k, top-p and min-p from a seeded RNG; and the log-probabilities of
+//! the raw logits (OpenAI's `logprobs`).
 //!
 //! # Rules
 //!
-//! - **Effective logits.** The repetition penalty (CTRL) applies once to
-//!   each distinct id of the history that lies inside the logits: a
-//!   positive logit is divided by it, a negative one multiplied (0 stays 0).
-//!   Ids past the end of the logits are ignored.
+//! - **Effective logits**, in this order:
+//!   1. The repetition penalty (CTRL) applies once to each distinct id of
+//!      the history (prompt and generated) that lies inside the logits: a
+//!      positive logit is divided by it, a negative one multiplied (0 stays
+//!      0).
+//!   2. Presence and frequency penalties (OpenAI's formula) over the
+//!      *generated* tokens only, `c[j]` times each id was generated:
+//!      `z[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty`.
+//!      The generated tokens are those of the history past its length at
+//!      the sampler's first call (the prompt).
+//!   3. Each `logit_bias` entry is added to its id's logit.
+//!
+//!   Ids past the end of the logits are ignored by every step.
+//! - **Log-probabilities** ([`SamplingParams::logprobs`]) are of the raw
+//!   logits, before any of the above: `l_i - lse`, with
+//!   `lse = m + ln Σ exp(l_j - m)` accumulated in f64 over the non-NaN
+//!   logits (`m` their max). NaN logits get `-inf`; with `+inf` logits the
+//!   mass is shared evenly among them.
 //! - **NaN** logits are never chosen (when every logit is NaN, id 0 is
 //!   returned; an empty slice gives 0 too). `-inf` has probability 0.
 //! - **Greedy** (`temperature == 0`): the largest effective logit, the
@@ -47,6 +62,8 @@ use std::cmp::Ordering;
 
 use rand::{Rng, SeedableRng};
 
+use crate::output::TokenLogprobs;
+
 /// Sampling settings of one sequence.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
@@ -66,6 +83,17 @@ pub struct SamplingParams {
     /// RNG seed; each sequence gets its own RNG seeded with it, so a
     /// sequence samples the same tokens batched or alone.
     pub seed: u64,
+    /// OpenAI's presence penalty: subtracted once from the logit of every
+    /// id generated so far (0 = off).
+    pub presence_penalty: f32,
+    /// OpenAI's frequency penalty: subtracted from the logit of every id
+    /// generated so far, times its count (0 = off).
+    pub frequency_penalty: f32,
+    /// `(token id, bias)` added to the logits (OpenAI's `logit_bias`).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// `Some(k)`: return the log-probability of each chosen token and of
+    /// the `k` most likely tokens ([`crate::output::TokenLogprobs`]).
+    pub logprobs: Option<usize>,
 }
 
 impl Default for SamplingParams {
@@ -77,6 +105,10 @@ impl Default for SamplingParams {
             min_p: 0.0,
             repetition_penalty: 1.0,
             seed: 0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
+            logprobs: None,
         }
     }
 }
@@ -102,7 +134,24 @@ impl SamplingParams {
                 self.repetition_penalty
             ));
         }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !v.is_finite() {
+                return Err(format!("{name} {v} must be a finite number"));
+            }
+        }
+        if let Some(&(id, b)) = self.logit_bias.iter().find(|(_, b)| !b.is_finite()) {
+            return Err(format!("logit_bias {b} of token {id} must be a finite number"));
+        }
         Ok(())
+    }
+
+    /// Whether the presence or frequency penalty or a logit bias changes
+    /// the logits.
+    fn adjusts(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || !self.logit_bias.is_empty()
     }
 }
 
@@ -179,6 +228,15 @@ pub struct Sampler {
     history_bits: Vec<u64>,
     /// Candidates of the current call.
     cand: Vec<Candidate>,
+    /// The history's length at the first call: the prompt (the generated
+    /// tokens follow it).
+    generated_from: Option<usize>,
+    /// The adjusted logits of the current call (penalties, bias).
+    work: Vec<f32>,
+    /// Generated ids, sorted, for the counts of the frequency penalty.
+    counts: Vec<u32>,
+    /// The log-probabilities of the last chosen token, until taken.
+    logprobs: Option<TokenLogprobs>,
 }
 
 impl Sampler {
@@ -192,58 +250,158 @@ impl Sampler {
             rng,
             history_bits: Vec::new(),
             cand: Vec::new(),
+            generated_from: None,
+            work: Vec::new(),
+            counts: Vec::new(),
+            logprobs: None,
         }
     }
 
     /// Whether this sampler always takes the plain argmax of the logits
-    /// (temperature 0, no repetition penalty): a device may then pick the
-    /// token itself ([`te_models::model::StepOutput::Tokens`]).
+    /// (temperature 0, no penalty or bias, no log-probabilities): a device
+    /// may then pick the token itself
+    /// ([`te_models::model::StepOutput::Tokens`]).
     pub fn is_plain_greedy(&self) -> bool {
-        self.params.temperature == 0.0 && self.params.repetition_penalty == 1.0
+        self.params.temperature == 0.0
+            && self.params.repetition_penalty == 1.0
+            && !self.params.adjusts()
+            && self.params.logprobs.is_none()
+    }
+
+    /// The log-probabilities of the token the last [`Sampler::sample`]
+    /// chose, taken (`None` unless [`SamplingParams::logprobs`] is set).
+    pub fn take_logprobs(&mut self) -> Option<TokenLogprobs> {
+        self.logprobs.take()
     }
 
     /// Picks the next token from `logits: [vocab]`; `history` holds the
-    /// prompt and generated tokens (for the repetition penalty). See the
-    /// module documentation for the exact rules.
+    /// prompt and generated tokens (for the penalties). See the module
+    /// documentation for the exact rules.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
-        let penalty = self.params.repetition_penalty;
-        let use_penalty = penalty != 1.0 && !history.is_empty() && !logits.is_empty();
-        if use_penalty {
-            let words = logits.len().div_ceil(64);
-            if self.history_bits.len() < words {
-                self.history_bits.resize(words, 0);
-            }
-            for &t in history {
-                let t = t as usize;
-                if t < logits.len() {
-                    self.history_bits[t >> 6] |= 1 << (t & 63);
-                }
-            }
-        }
-        // Two monomorphized paths: the plain one has no bitmap test per logit.
+        let from = *self.generated_from.get_or_insert(history.len());
         let (params, rng, cand) = (&self.params, &mut self.rng, &mut self.cand);
-        let id = if use_penalty {
-            let bits = &self.history_bits;
-            pick(params, rng, cand, logits, |i: usize, l: f32| {
-                if (bits[i >> 6] >> (i & 63)) & 1 == 1 {
-                    penalize(l, penalty)
-                } else {
-                    l
-                }
-            })
+        let id = if params.adjusts() {
+            adjust(
+                params,
+                &mut self.work,
+                &mut self.history_bits,
+                &mut self.counts,
+                Penalized {
+                    logits,
+                    history,
+                    generated: &history[from.min(history.len())..],
+                },
+            );
+            pick(params, rng, cand, &self.work, |_, l| l)
         } else {
-            pick(params, rng, cand, logits, |_, l| l)
+            pick_penalized(params, rng, cand, &mut self.history_bits, logits, history)
         };
-        if use_penalty {
-            for &t in history {
-                let t = t as usize;
-                if t < logits.len() {
-                    self.history_bits[t >> 6] &= !(1 << (t & 63));
-                }
-            }
+        if let Some(k) = self.params.logprobs {
+            self.logprobs = Some(TokenLogprobs::of(logits, id, k));
         }
         id
     }
+}
+
+/// The logits and tokens the effective logits come from.
+struct Penalized<'a> {
+    logits: &'a [f32],
+    /// Prompt and generated tokens (the repetition penalty).
+    history: &'a [u32],
+    /// Generated tokens (presence and frequency penalties).
+    generated: &'a [u32],
+}
+
+/// `work` = the effective logits of `src` (rules 1 to 3); `bits` (left
+/// cleared) and `counts` are scratch.
+fn adjust(
+    params: &SamplingParams,
+    work: &mut Vec<f32>,
+    bits: &mut Vec<u64>,
+    counts: &mut Vec<u32>,
+    src: Penalized<'_>,
+) {
+    work.clear();
+    work.extend_from_slice(src.logits);
+    let n = work.len();
+    let penalty = params.repetition_penalty;
+    if penalty != 1.0 {
+        if bits.len() < n.div_ceil(64) {
+            bits.resize(n.div_ceil(64), 0);
+        }
+        for &t in src.history {
+            let t = t as usize;
+            if t < n && (bits[t >> 6] >> (t & 63)) & 1 == 0 {
+                bits[t >> 6] |= 1 << (t & 63);
+                work[t] = penalize(work[t], penalty);
+            }
+        }
+        for &t in src.history {
+            let t = t as usize;
+            if t < n {
+                bits[t >> 6] &= !(1 << (t & 63));
+            }
+        }
+    }
+    let (pres, freq) = (params.presence_penalty, params.frequency_penalty);
+    if pres != 0.0 || freq != 0.0 {
+        counts.clear();
+        counts.extend_from_slice(src.generated);
+        counts.sort_unstable();
+        for run in counts.chunk_by(|a, b| a == b) {
+            if let Some(z) = work.get_mut(run[0] as usize) {
+                *z -= run.len() as f32 * freq + pres;
+            }
+        }
+    }
+    for &(id, bias) in &params.logit_bias {
+        if let Some(z) = work.get_mut(id as usize) {
+            *z += bias;
+        }
+    }
+}
+
+/// The token of rule 1 (the repetition penalty over `history`) and the
+/// draw over `logits`.
+fn pick_penalized(
+    params: &SamplingParams,
+    rng: &mut rand::rngs::StdRng,
+    cand: &mut Vec<Candidate>,
+    history_bits: &mut Vec<u64>,
+    logits: &[f32],
+    history: &[u32],
+) -> u32 {
+    let penalty = params.repetition_penalty;
+    let use_penalty = penalty != 1.0 && !history.is_empty() && !logits.is_empty();
+    if !use_penalty {
+        // The plain path has no bitmap test per logit.
+        return pick(params, rng, cand, logits, |_, l| l);
+    }
+    let words = logits.len().div_ceil(64);
+    if history_bits.len() < words {
+        history_bits.resize(words, 0);
+    }
+    for &t in history {
+        let t = t as usize;
+        if t < logits.len() {
+            history_bits[t >> 6] |= 1 << (t & 63);
+        }
+    }
+    let bits = &*history_bits;
+    let id = pick(params, rng, cand, logits, |i: usize, l: f32| {
+        if (bits[i >> 6] >> (i & 63)) & 1 == 1 {
+            penalize(l, penalty)
+        } else {
+            l
+        }
+    });
+    for &t in history {
+        let t = t as usize;
+        if t < logits.len() {
+            history_bits[t >> 6] &= !(1 << (t & 63));
+        }
+    }
+    id
 }
 
 /// Greedy or sampled, by the temperature, over the logits that

@@ -1,8 +1,11 @@
 //! The sampler against a naive float64 reference written here: random
 //! logits (with ±inf, NaN, huge and tiny values) and random settings
 //! always give an id the settings allow; tiny temperatures agree with
-//! greedy; the frequencies of hand-computed distributions come out; and
-//! sampling allocates nothing after the first token.
+//! greedy; the frequencies of hand-computed distributions come out;
+//! sampling allocates nothing after the first token; presence, frequency
+//! and bias follow OpenAI's formulas (hand-computed cases, and any
+//! settings equal to plain sampling of logits adjusted here); logprobs
+//! equal a float64 log-softmax computed here.
 
 #[path = "../../te-models/tests/alloc_counter/mod.rs"]
 mod alloc_counter;
@@ -139,6 +142,7 @@ fn params() -> impl Strategy<Value = SamplingParams> {
                 min_p,
                 repetition_penalty,
                 seed,
+                ..SamplingParams::default()
             },
         )
 }
@@ -190,7 +194,7 @@ proptest! {
         penalty in prop_oneof![Just(1.0f32), 0.5f32..2.0],
         seed: u64,
     ) {
-        let p = SamplingParams { temperature, top_k, top_p, min_p, repetition_penalty: penalty, seed };
+        let p = SamplingParams { temperature, top_k, top_p, min_p, repetition_penalty: penalty, seed, ..SamplingParams::default() };
         let greedy = Sampler::new(SamplingParams { temperature: 0.0, ..p.clone() }).sample(&logits, &history);
         let z = effective(&logits, &history, penalty);
         let z_max = z[greedy as usize];
@@ -349,6 +353,10 @@ fn sampling_allocates_nothing_after_the_first_token() {
             min_p: 0.05,
             repetition_penalty: 1.1,
             seed: 3,
+            presence_penalty: 0.5,
+            frequency_penalty: 0.2,
+            logit_bias: vec![(5, 2.0)],
+            logprobs: None,
         },
         SamplingParams {
             temperature: 1.5,
@@ -432,4 +440,184 @@ fn draws_match_a_float64_inverse_cdf() {
         }
     }
     assert!(checked > 850, "only {checked} draws compared");
+}
+
+/// OpenAI's penalties, hand-computed on logits [5, 4, 3.5, 0]: only
+/// generated tokens count (the prompt is the history of the first call),
+/// frequency times the count, presence once, bias added.
+#[test]
+fn presence_frequency_and_bias_follow_openais_formulas() {
+    let logits = [5.0f32, 4.0, 3.5, 0.0];
+    let prompt = [0u32, 0, 0, 0];
+    // The choice after the prompt plus `generated`.
+    let greedy = |p: SamplingParams, generated: &[u32]| {
+        let mut s = Sampler::new(p);
+        s.sample(&logits, &prompt);
+        let mut h = prompt.to_vec();
+        h.extend_from_slice(generated);
+        s.sample(&logits, &h)
+    };
+    let freq = |f: f32| SamplingParams {
+        frequency_penalty: f,
+        ..SamplingParams::default()
+    };
+    // The prompt's four 0s are not penalized.
+    assert_eq!(greedy(freq(2.0), &[]), 0);
+    // 5 - 0.6 = 4.4 > 4; 5 - 2 * 0.6 = 3.8 < 4.
+    assert_eq!(greedy(freq(0.6), &[0]), 0);
+    assert_eq!(greedy(freq(0.6), &[0, 0]), 1);
+    // 5 - 3 * 0.6 = 3.2 and 4 - 0.6 = 3.4, both below 3.5.
+    assert_eq!(greedy(freq(0.6), &[0, 1, 0, 0]), 2);
+    let pres = |p: f32| SamplingParams {
+        presence_penalty: p,
+        ..SamplingParams::default()
+    };
+    // Once, whatever the count: 5 - 0.9 = 4.1 > 4; 5 - 1.1 = 3.9 < 4.
+    assert_eq!(greedy(pres(0.9), &[0, 0, 0, 0, 0]), 0);
+    assert_eq!(greedy(pres(1.1), &[0]), 1);
+    // Negative penalties reward: 0 + 2 * 2 + 1.5 = 5.5 > 5.
+    let both = SamplingParams {
+        frequency_penalty: -2.0,
+        presence_penalty: -1.5,
+        ..SamplingParams::default()
+    };
+    assert_eq!(greedy(both, &[3, 3]), 3);
+    // Bias: 0 + 5.5 > 5; -100 removes the max; ids past the vocabulary
+    // are ignored.
+    let bias = |b: Vec<(u32, f32)>| SamplingParams {
+        logit_bias: b,
+        ..SamplingParams::default()
+    };
+    assert_eq!(greedy(bias(vec![(3, 5.5), (99, 50.0)]), &[]), 3);
+    assert_eq!(greedy(bias(vec![(0, -100.0)]), &[]), 1);
+    // Everything together, history [0, 0, 0, 0] + generated: token 0 is
+    // 5 / 2 = 2.5, minus c * 0.25 + 0.25, plus 1; token 1 is 4 / 2 = 2
+    // minus its penalties; token 2 is 3.5 - 1 = 2.5.
+    let all = SamplingParams {
+        repetition_penalty: 2.0,
+        frequency_penalty: 0.25,
+        presence_penalty: 0.25,
+        logit_bias: vec![(0, 1.0), (2, -1.0)],
+        ..SamplingParams::default()
+    };
+    // c = 1: 3.0 > 2.5.
+    assert_eq!(greedy(all.clone(), &[0, 1]), 0);
+    // c = 3: 2.5 ties with token 2; the lower id wins.
+    assert_eq!(greedy(all.clone(), &[0, 1, 0, 0]), 0);
+    // c = 4: 2.25 < 2.5.
+    assert_eq!(greedy(all, &[0, 1, 0, 0, 0]), 2);
+}
+
+/// The effective logits of OpenAI's penalties written here: repetition
+/// penalty once per distinct history id, then `c * frequency + presence`
+/// over the generated ids, then the bias (f32, in the documented order).
+fn openai_effective(logits: &[f32], prompt: &[u32], generated: &[u32], p: &SamplingParams) -> Vec<f32> {
+    let history: Vec<u32> = prompt.iter().chain(generated).copied().collect();
+    let mut z = effective(logits, &history, p.repetition_penalty);
+    let mut count = std::collections::BTreeMap::new();
+    for &t in generated {
+        *count.entry(t as usize).or_insert(0usize) += 1;
+    }
+    for (t, c) in count {
+        if t < z.len() {
+            z[t] -= c as f32 * p.frequency_penalty + p.presence_penalty;
+        }
+    }
+    for &(t, b) in &p.logit_bias {
+        if (t as usize) < z.len() {
+            z[t as usize] += b;
+        }
+    }
+    z
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+    /// Any settings with penalties and bias pick what plain sampling (same
+    /// seed, same draws) picks from the logits adjusted by
+    /// [`openai_effective`].
+    #[test]
+    fn penalties_and_bias_equal_plain_sampling_of_adjusted_logits(
+        logits in proptest::collection::vec(-20.0f32..20.0, 1..64),
+        prompt in proptest::collection::vec(0u32..70, 1..10),
+        generated in proptest::collection::vec(0u32..70, 0..20),
+        p in params(),
+        presence in -2.0f32..2.0,
+        frequency in -2.0f32..2.0,
+        bias in proptest::collection::vec((0u32..70, -100.0f32..100.0), 0..5),
+    ) {
+        let mut bias = bias;
+        bias.sort_by_key(|b| b.0);
+        bias.dedup_by_key(|b| b.0);
+        let p = SamplingParams { presence_penalty: presence, frequency_penalty: frequency, logit_bias: bias, ..p };
+        let plain = SamplingParams { repetition_penalty: 1.0, ..SamplingParams { seed: p.seed, ..p.clone() } };
+        let plain = SamplingParams { presence_penalty: 0.0, frequency_penalty: 0.0, logit_bias: Vec::new(), ..plain };
+        let z = openai_effective(&logits, &prompt, &generated, &p);
+        let mut s = Sampler::new(p);
+        let mut r = Sampler::new(plain);
+        // The first call fixes the prompt (and draws once in both).
+        s.sample(&logits, &prompt);
+        r.sample(&logits, &[]);
+        let history: Vec<u32> = prompt.iter().chain(&generated).copied().collect();
+        prop_assert_eq!(s.sample(&logits, &history), r.sample(&z, &[]));
+    }
+}
+
+/// Reference log-softmax: float64, log of the sum of exponentials
+/// directly (the logits here are small enough not to overflow).
+fn log_softmax_f64(logits: &[f32]) -> Vec<f64> {
+    let sum: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+    logits.iter().map(|&l| l as f64 - sum.ln()).collect()
+}
+
+/// Logprobs against [`log_softmax_f64`]: the chosen token's value and the
+/// top k (ids by logit descending, lower id first; values) within 1e-9,
+/// with any sampling settings (they are of the raw logits), and none
+/// without `logprobs`.
+#[test]
+fn logprobs_equal_a_float64_log_softmax_of_the_raw_logits() {
+    use rand::{Rng, SeedableRng};
+    for seed in 0..40u64 {
+        let mut g = rand::rngs::StdRng::seed_from_u64(seed);
+        let vocab = g.gen_range(1..3000);
+        // Few distinct values, so ties occur.
+        let logits: Vec<f32> = (0..vocab).map(|_| g.gen_range(-40i32..40) as f32 * 0.25).collect();
+        let want = log_softmax_f64(&logits);
+        let mut order: Vec<usize> = (0..vocab).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        for k in [0usize, 1, 5, 20] {
+            let p = SamplingParams {
+                temperature: if seed % 2 == 0 { 0.0 } else { 0.9 },
+                repetition_penalty: 1.3,
+                presence_penalty: 1.0,
+                logit_bias: vec![(0, 30.0)],
+                logprobs: Some(k),
+                seed,
+                ..SamplingParams::default()
+            };
+            let mut s = Sampler::new(p);
+            let id = s.sample(&logits, &[1, 2, 3]);
+            let lp = s.take_logprobs().expect("logprobs were asked for");
+            assert!((lp.logprob - want[id as usize]).abs() < 1e-9, "seed {seed}");
+            assert_eq!(lp.top.len(), k.min(vocab));
+            for (&(tid, v), &o) in lp.top.iter().zip(&order) {
+                assert_eq!(tid as usize, o, "seed {seed} k {k}");
+                assert!((v - want[o]).abs() < 1e-9, "seed {seed} k {k}");
+            }
+            assert!(s.take_logprobs().is_none());
+        }
+    }
+    let mut s = Sampler::new(SamplingParams::default());
+    s.sample(&[1.0, 2.0], &[]);
+    assert!(s.take_logprobs().is_none());
+    // +inf shares the mass; NaN has none and is never listed.
+    let mut s = Sampler::new(SamplingParams {
+        logprobs: Some(3),
+        ..SamplingParams::default()
+    });
+    s.sample(&[f32::INFINITY, f32::NAN, f32::INFINITY, 1.0], &[]);
+    let lp = s.take_logprobs().unwrap();
+    assert_eq!(lp.logprob, -(2f64.ln()));
+    assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [0, 2, 3]);
+    assert_eq!(lp.top[2].1, f64::NEG_INFINITY);
 }
