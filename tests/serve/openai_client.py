@@ -11,6 +11,7 @@ usage: openai_client.py BASE_URL API_KEY TE_BINARY MODEL
 import asyncio
 import http.client
 import json
+import os
 import re
 import socket
 import subprocess
@@ -357,7 +358,7 @@ def test_bad_requests():
         error_of(*raw("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "a", "max_tokens": -1})),
                  400, "max_tokens", None, "negative max_tokens (completions)")
         error_of(*raw("POST", chat, ok(temperature=5)), 400, "temperature", None, "temperature 5")
-        error_of(*raw("POST", chat, ok(n=2)), 400, "n", None, "n = 2")
+        error_of(*raw("POST", chat, ok(n=17)), 400, "n", None, "n = 17")
         error_of(*raw("POST", chat, ok(stop=["a", "b", "c", "d", "e"])), 400, "stop", None, "5 stop strings")
         error_of(*raw("POST", chat, json.dumps({"model": "gpt-4", "messages": msgs})), 400, "model",
                  "model_not_found", "unknown model")
@@ -414,8 +415,186 @@ def test_metrics():
     check(m["te_kv_cache_pages_total"] > 0, "KV pool size")
 
 
+
+REFS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "refs")
+
+
+def detokenize(ids):
+    status, body = raw("POST", "/detokenize", json.dumps({"tokens": ids}))
+    check(status == 200, f"/detokenize {status} {body}")
+    return body["content"]
+
+
+def test_tokenize():
+    text = "The capital of France is"
+    status, body = raw("POST", "/tokenize", json.dumps({"content": text}))
+    check(status == 200 and body["tokens"] == [504, 3575, 282, 4649, 314], f"/tokenize {body}")
+    m = client.models.retrieve(MODEL)
+    check(body["count"] == 5 and body["max_model_len"] == m.model_extra["max_model_len"] > 0, f"/tokenize {body}")
+    check(detokenize(body["tokens"]) == text, "/detokenize round trip")
+    error_of(*raw("POST", "/detokenize", json.dumps({"tokens": [10 ** 9]})), 400, "tokens", None, "bad id")
+    error_of(*raw("POST", "/detokenize", json.dumps({"tokens": "a"})), 400, "tokens", None, "not ids")
+    error_of(*raw("POST", "/tokenize", json.dumps({"text": "a"})), 400, "content", None, "no content")
+
+
+def chat_entries(content):
+    return [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in content]
+
+
+def test_logprobs():
+    """Greedy tokens are the most likely; top logprobs are sorted and their
+    differences are those of the float64 reference logits
+    (tests/refs/smollm2-135m/top20_*.json); streamed equals non-streamed."""
+    import math
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=10, temperature=0, logprobs=True, top_logprobs=5)
+    # A first request puts the prompt's whole pages in the prefix cache, so
+    # that the two compared below both take them: a prompt computed in
+    # other chunks may differ in the last bits of its logits.
+    client.chat.completions.create(**{**kw, "max_tokens": 1})
+    r = client.chat.completions.create(**kw, extra_body={"return_token_ids": True})
+    c = r.choices[0]
+    content = c.logprobs.content
+    check(len(content) == len(c.token_ids) > 0, f"one entry per token: {len(content)}")
+    for e in content:
+        tops = [t.logprob for t in e.top_logprobs]
+        check(len(tops) == 5 and tops == sorted(tops, reverse=True), f"top 5 sorted: {tops}")
+        check(e.top_logprobs[0].token == e.token and tops[0] == e.logprob, f"greedy is the most likely: {e}")
+        check(sum(math.exp(x) for x in tops) <= 1 + 1e-9 and e.logprob <= 0, f"probabilities: {tops}")
+    stream = client.chat.completions.create(**kw, stream=True)
+    streamed = []
+    for ch in stream:
+        for ci in ch.choices:
+            if ci.logprobs is not None:
+                streamed += ci.logprobs.content
+    check(chat_entries(streamed) == chat_entries(content), "streamed logprobs equal the whole response's")
+    # Completions against the reference logits.
+    for name in ["capital", "code"]:
+        with open(f"{REFS}/smollm2-135m/top20_{name}.json") as f:
+            ref = json.load(f)
+        n_prompt = ref["n_prompt"]
+        steps = 6
+        kw = dict(model=MODEL, prompt=ref["token_ids"][:n_prompt], max_tokens=steps, temperature=0, logprobs=5)
+        client.completions.create(**{**kw, "max_tokens": 1})  # the prefix cache, as above
+        r = client.completions.create(**kw)
+        lp = r.choices[0].logprobs
+        check(len(lp.tokens) == steps and "".join(lp.tokens) == r.choices[0].text, f"tokens {lp.tokens}")
+        for k in range(steps):
+            row = ref["rows"][n_prompt - 1 + k]
+            ids, logits = row["ids"], row["logits"]
+            top = lp.top_logprobs[k]
+            check(lp.token_logprobs[k] == max(top.values()), f"greedy token most likely at {k}")
+            # ln p_i - ln p_j = l_i - l_j, and ln p_0 <= l_0 - lse(top 20).
+            lse = max(logits) + math.log(sum(math.exp(x - max(logits)) for x in logits))
+            check(lp.token_logprobs[k] <= logits[0] - lse + 2e-3, f"{name} step {k}: logprob bound")
+            for i in range(5):
+                if logits[i] - logits[i + 1] < 2e-3 or (i > 0 and logits[i - 1] - logits[i] < 2e-3):
+                    continue  # a near-tie: the order may differ from f32
+                t = detokenize([ids[i]])
+                check(t in top, f"{name} step {k}: reference token {t!r} among {top}")
+                got = top[t] - lp.token_logprobs[k]
+                want = logits[i] - logits[0]
+                check(abs(got - want) < 2e-3, f"{name} step {k}: difference {got} vs reference {want}")
+        stream = client.completions.create(**kw, stream=True)
+        toks, lps, tops = [], [], []
+        for ch in stream:
+            for ci in ch.choices:
+                if ci.logprobs is not None:
+                    toks += ci.logprobs.tokens
+                    lps += ci.logprobs.token_logprobs
+                    tops += ci.logprobs.top_logprobs
+        check((toks, lps, tops) == (lp.tokens, lp.token_logprobs, lp.top_logprobs),
+              f"streamed completions logprobs {(toks, lps, tops)} vs {(lp.tokens, lp.token_logprobs, lp.top_logprobs)}")
+
+
+def test_n_choices_share_the_prompt():
+    msgs = [{"role": "user", "content": "Write one sentence about the ocean, the sky and the mountains. " * 3}]
+    before = metrics()["te_prefix_cache_hit_tokens_total"]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=1.0, seed=11, n=4,
+                                       extra_body={"return_token_ids": True})
+    check([c.index for c in r.choices] == [0, 1, 2, 3], f"four choices: {[c.index for c in r.choices]}")
+    prompt = r.choices[0].prompt_token_ids
+    check(r.usage.prompt_tokens == len(prompt), f"the prompt counted once: {r.usage}")
+    check(r.usage.completion_tokens == sum(len(c.token_ids) for c in r.choices), f"completion tokens {r.usage}")
+    check(r.usage.prompt_tokens_details.cached_tokens >= 16, f"prefix hits in usage: {r.usage}")
+    hits = metrics()["te_prefix_cache_hit_tokens_total"] - before
+    check(hits >= 3 * (len(prompt) // 16 * 16 - 16), f"three choices attach the first's pages: {hits}")
+    check(len({tuple(c.token_ids) for c in r.choices}) > 1, "the choices sample their own streams")
+    # Choice 0 is the request's own seed: the same as n = 1.
+    one = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=1.0, seed=11,
+                                         extra_body={"return_token_ids": True})
+    check(one.choices[0].token_ids == r.choices[0].token_ids, "choice 0 = the n = 1 answer")
+    # Streamed: the same four, by index.
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=1.0, seed=11,
+                                            n=4, stream=True, extra_body={"return_token_ids": True})
+    got, finished = [[] for _ in range(4)], set()
+    for ch in stream:
+        for c in ch.choices:
+            got[c.index] += getattr(c, "token_ids", None) or []
+            if c.finish_reason:
+                finished.add(c.index)
+    check(finished == {0, 1, 2, 3} and got == [c.token_ids for c in r.choices], "streamed n = 4")
+
+
+def test_penalties_and_bias():
+    p = "List the numbers: one, two, three, four, five,"
+    base = dict(model=MODEL, prompt=p, max_tokens=16, temperature=0, extra_body={"return_token_ids": True})
+    plain = client.completions.create(**base).choices[0].token_ids
+    # A bias of 100 on one token makes greedy pick it every time.
+    tok = plain[0] + 1
+    biased = client.completions.create(**base, logit_bias={str(tok): 100}).choices[0].token_ids
+    check(biased == [tok] * 16, f"logit_bias 100: {biased}")
+    # -100 on the greedy first token removes it.
+    banned = client.completions.create(**base, logit_bias={str(plain[0]): -100}).choices[0].token_ids
+    check(banned[0] != plain[0], "logit_bias -100")
+    # A large frequency penalty: no token repeats more than a few times.
+    pen = client.completions.create(**base, frequency_penalty=2.0, presence_penalty=2.0).choices[0].token_ids
+    check(pen != plain and max(pen.count(t) for t in pen) <= max(plain.count(t) for t in plain), f"penalties {pen}")
+    error_of(*raw("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": p, "logit_bias": {"49152": 1}})),
+             400, "logit_bias", None, "id outside the vocabulary")
+    error_of(*raw("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": p, "logprobs": 6})),
+             400, "logprobs", None, "logprobs 6")
+    error_of(*raw("POST", "/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+             "logprobs": True, "top_logprobs": 21})), 400, "top_logprobs", None, "top_logprobs 21")
+    error_of(*raw("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": p, "stop": ["x" * 2000]})),
+             400, "stop", None, "a long stop string")
+
+
+async def seeded_runs():
+    """(alone, among 31 others, another seed) on one event loop."""
+    c = openai.AsyncOpenAI(base_url=BASE + "/v1", api_key=KEY, timeout=120, max_retries=0)
+
+    async def seeded(prompt, seed):
+        r = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0.9, top_p=0.95,
+                                       seed=seed, extra_body={"return_token_ids": True, "ignore_eos": True})
+        return r.choices[0].token_ids
+
+    # Under 16 tokens: no prompt page is shared, so every run computes the
+    # prompt alike.
+    prompt = "In the beginning of the story, the hero"
+    alone = await seeded(prompt, 1234)
+    others = [seeded(f"Story {i}: once there was a", i) for i in range(31)]
+    crowded = (await asyncio.gather(seeded(prompt, 1234), *others))[0]
+    other = await seeded(prompt, 1235)
+    await c.close()
+    return alone, crowded, other
+
+
+def test_seed_holds_under_load():
+    """A seeded sampled request gives the same tokens alone and among 31
+    concurrent others (batch-invariant logits, one RNG per sequence)."""
+    alone, crowded, other = asyncio.run(seeded_runs())
+    check(len(alone) == 24, "24 tokens")
+    check(crowded == alone, f"seeded tokens alone {alone} vs among 31 others {crowded}")
+    check(other != alone, "another seed samples other tokens")
+
+
 for test in [test_models_and_health, test_completions, test_chat, test_disconnects, test_concurrency,
-             test_bad_requests, test_metrics]:
+             test_bad_requests, test_metrics, test_tokenize, test_logprobs, test_n_choices_share_the_prompt,
+             test_penalties_and_bias, test_seed_holds_under_load]:
+    # TE_SERVE_ONLY=name,...: run only those (for working on one).
+    if os.environ.get("TE_SERVE_ONLY") and test.__name__ not in os.environ["TE_SERVE_ONLY"].split(","):
+        continue
     start = time.time()
     test()
     print(f"ok {test.__name__} ({time.time() - start:.1f} s)", flush=True)

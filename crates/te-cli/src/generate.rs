@@ -308,7 +308,9 @@ impl Job<'_> {
         while engine.has_work() {
             for event in engine.step()? {
                 let (id, text) = match event {
-                    Event::Token { id, token, text, .. } => {
+                    Event::Token {
+                        id, token, text, ..
+                    } => {
                         outputs[id as usize].tokens.push(token);
                         (id, text)
                     }

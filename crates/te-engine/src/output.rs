@@ -86,7 +86,9 @@ impl TokenLogprobs {
             }
         }
         TokenLogprobs {
-            logprob: logits.get(chosen as usize).map_or(f64::NEG_INFINITY, |&l| lp(l)),
+            logprob: logits
+                .get(chosen as usize)
+                .map_or(f64::NEG_INFINITY, |&l| lp(l)),
             top: best.into_iter().map(|(i, l)| (i, lp(l))).collect(),
         }
     }

@@ -143,7 +143,9 @@ impl SamplingParams {
             }
         }
         if let Some(&(id, b)) = self.logit_bias.iter().find(|(_, b)| !b.is_finite()) {
-            return Err(format!("logit_bias {b} of token {id} must be a finite number"));
+            return Err(format!(
+                "logit_bias {b} of token {id} must be a finite number"
+            ));
         }
         Ok(())
     }

@@ -511,7 +511,12 @@ fn presence_frequency_and_bias_follow_openais_formulas() {
 /// The effective logits of OpenAI's penalties written here: repetition
 /// penalty once per distinct history id, then `c * frequency + presence`
 /// over the generated ids, then the bias (f32, in the documented order).
-fn openai_effective(logits: &[f32], prompt: &[u32], generated: &[u32], p: &SamplingParams) -> Vec<f32> {
+fn openai_effective(
+    logits: &[f32],
+    prompt: &[u32],
+    generated: &[u32],
+    p: &SamplingParams,
+) -> Vec<f32> {
     let history: Vec<u32> = prompt.iter().chain(generated).copied().collect();
     let mut z = effective(logits, &history, p.repetition_penalty);
     let mut count = std::collections::BTreeMap::new();
@@ -581,7 +586,9 @@ fn logprobs_equal_a_float64_log_softmax_of_the_raw_logits() {
         let mut g = rand::rngs::StdRng::seed_from_u64(seed);
         let vocab = g.gen_range(1..3000);
         // Few distinct values, so ties occur.
-        let logits: Vec<f32> = (0..vocab).map(|_| g.gen_range(-40i32..40) as f32 * 0.25).collect();
+        let logits: Vec<f32> = (0..vocab)
+            .map(|_| g.gen_range(-40i32..40) as f32 * 0.25)
+            .collect();
         let want = log_softmax_f64(&logits);
         let mut order: Vec<usize> = (0..vocab).collect();
         order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));

@@ -6,14 +6,18 @@
 //! `temperature` in [0, 2] (default 1), `top_p` in (0, 1] (default 1),
 //! `max_tokens` (completions default 16; chat default: the rest of the
 //! context; `max_completion_tokens` wins over it), `stop` (a string or up
-//! to 4), `n` (only 1), `seed`, `stream`, `stream_options.include_usage`.
-//! Extensions as vLLM names them: `top_k` (0 or -1 = off), `min_p`,
+//! to 4 of at most [`MAX_STOP_BYTES`] bytes), `n` (1 to [`MAX_N`]),
+//! `seed`, `stream`, `stream_options.include_usage`, `presence_penalty`
+//! and `frequency_penalty` (in [-2, 2]), `logit_bias` (token id -> bias in
+//! [-100, 100], at most [`MAX_LOGIT_BIAS`] entries; ids outside the
+//! vocabulary are refused by the handler, which knows it), chat's
+//! `logprobs` + `top_logprobs` (0 to 20) and completions' `logprobs` (0 to
+//! 5). Extensions as vLLM names them: `top_k` (0 or -1 = off), `min_p`,
 //! `repetition_penalty`, `ignore_eos`, `return_token_ids` (the prompt's and
 //! the completion's token ids in each choice). OpenAI features te-rs does
-//! not have (logprobs, tools, logit bias, presence/frequency penalties,
-//! suffix, best_of > 1, non-text response formats or content parts) are
-//! refused with a 400 that names the field, never silently ignored; fields
-//! it does not know are ignored.
+//! not have (suffix, best_of > 1, audio, content parts other than text)
+//! are refused with a 400 that names the field, never silently ignored;
+//! fields it does not know are ignored.
 
 use serde_json::{Map, Value};
 use te_engine::sampling::SamplingParams;
@@ -57,6 +61,8 @@ pub struct GenerationRequest {
     pub include_usage: bool,
     pub ignore_eos: bool,
     pub return_token_ids: bool,
+    /// Choices to generate (`n`), each with its own random stream.
+    pub n: usize,
 }
 
 impl GenerationRequest {
@@ -71,6 +77,21 @@ impl GenerationRequest {
 
 /// Most stop sequences per request (OpenAI's limit).
 pub const MAX_STOP: usize = 4;
+
+/// Longest stop sequence, in bytes.
+pub const MAX_STOP_BYTES: usize = 1024;
+
+/// Most choices per request (`n`).
+pub const MAX_N: i64 = 16;
+
+/// Most `top_logprobs` of chat (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: i64 = 20;
+
+/// Most `logprobs` of completions (OpenAI's limit).
+pub const MAX_COMPLETION_LOGPROBS: i64 = 5;
+
+/// Most `logit_bias` entries.
+pub const MAX_LOGIT_BIAS: usize = 1024;
 
 /// Parses and validates a request body sent to `endpoint`. `random_seed`
 /// is the seed used when the request gives none.
@@ -111,6 +132,7 @@ pub fn parse(
         .string("model")?
         .ok_or_else(|| missing("model"))?
         .to_string();
+    let mut logprobs = None;
     let input = match endpoint {
         Endpoint::Completions => {
             let prompt = parse_prompt(obj.get("prompt").unwrap_or(&Value::Null))?;
@@ -124,11 +146,9 @@ pub fn parse(
                     return Err(ApiError::unsupported("best_of", "best_of other than 1"));
                 }
             }
-            if let Some(lp) = f.get("logprobs") {
-                if !lp.is_i64() && !lp.is_u64() {
-                    return Err(ApiError::wrong_type("logprobs", "an integer", lp));
-                }
-                return Err(ApiError::unsupported("logprobs", "logprobs"));
+            logprobs = f.int("logprobs")?;
+            if let Some(k) = logprobs {
+                int_range("logprobs", k, 0, MAX_COMPLETION_LOGPROBS)?;
             }
             Input::Completion {
                 prompt,
@@ -137,11 +157,17 @@ pub fn parse(
         }
         Endpoint::Chat => {
             let messages = parse_messages(obj.get("messages").unwrap_or(&Value::Null))?;
-            if f.bool("logprobs")? == Some(true) {
-                return Err(ApiError::unsupported("logprobs", "logprobs"));
+            let top = f.int("top_logprobs")?;
+            if let Some(k) = top {
+                int_range("top_logprobs", k, 0, MAX_TOP_LOGPROBS)?;
             }
-            if f.get("top_logprobs").is_some() {
-                return Err(ApiError::unsupported("top_logprobs", "top_logprobs"));
+            if f.bool("logprobs")? == Some(true) {
+                logprobs = Some(top.unwrap_or(0));
+            } else if top.is_some() {
+                return Err(ApiError::bad_value(
+                    "top_logprobs",
+                    "Invalid 'top_logprobs': 'logprobs' must be set to true when 'top_logprobs' is used.",
+                ));
             }
             for name in ["tools", "functions"] {
                 match f.get(name) {
@@ -184,34 +210,21 @@ pub fn parse(
             Input::Chat { messages }
         }
     };
-    match f.get("logit_bias") {
-        None => {}
-        Some(Value::Object(o)) if o.is_empty() => {}
-        Some(Value::Object(_)) => return Err(ApiError::unsupported("logit_bias", "logit bias")),
-        Some(v) => return Err(ApiError::wrong_type("logit_bias", "an object", v)),
-    }
-    for name in ["presence_penalty", "frequency_penalty"] {
+    let logit_bias = parse_logit_bias(f.get("logit_bias"))?;
+    let mut penalties = [0.0f32; 2];
+    for (name, out) in ["presence_penalty", "frequency_penalty"]
+        .into_iter()
+        .zip(&mut penalties)
+    {
         if let Some(x) = f.number(name)? {
             range(name, x, -2.0, 2.0)?;
-            if x != 0.0 {
-                return Err(ApiError::unsupported(
-                    name,
-                    "a non-zero value (use repetition_penalty)",
-                ));
-            }
+            *out = x as f32;
         }
     }
+    let [presence_penalty, frequency_penalty] = penalties;
 
     let n = f.int("n")?.unwrap_or(1);
-    if n < 1 {
-        return Err(ApiError::bad_value(
-            "n",
-            format!("Invalid 'n': integer below minimum value. Expected a value >= 1, but got {n} instead."),
-        ));
-    }
-    if n > 1 {
-        return Err(ApiError::unsupported("n", "more than one choice (n > 1)"));
-    }
+    int_range("n", n, 1, MAX_N)?;
 
     // For chat, `max_completion_tokens` replaces the deprecated `max_tokens`
     // (and wins when both are given).
@@ -279,6 +292,10 @@ pub fn parse(
         min_p: min_p as f32,
         repetition_penalty: repetition_penalty as f32,
         seed,
+        presence_penalty,
+        frequency_penalty,
+        logit_bias,
+        logprobs: logprobs.map(|k| k as usize),
     };
 
     let stop = parse_stop(f.get("stop"))?;
@@ -308,7 +325,61 @@ pub fn parse(
         include_usage,
         ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
         return_token_ids: f.bool("return_token_ids")?.unwrap_or(false),
+        n: n as usize,
     })
+}
+
+/// `logit_bias`: an object from token ids (decimal strings) to biases in
+/// [-100, 100]; `(id, bias)` sorted by id.
+fn parse_logit_bias(v: Option<&Value>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let name = "logit_bias";
+    let o = match v {
+        None => return Ok(Vec::new()),
+        Some(Value::Object(o)) => o,
+        Some(v) => return Err(ApiError::wrong_type(name, "an object", v)),
+    };
+    if o.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::bad_value(
+            name,
+            format!(
+                "Invalid 'logit_bias': {} entries; at most {MAX_LOGIT_BIAS} are allowed.",
+                o.len()
+            ),
+        ));
+    }
+    let mut out = Vec::with_capacity(o.len());
+    for (k, b) in o {
+        let id: u32 = k.parse().map_err(|_| {
+            ApiError::bad_value(
+                name,
+                format!("Invalid 'logit_bias': key '{k}' is not a token id."),
+            )
+        })?;
+        let b = b
+            .as_f64()
+            .ok_or_else(|| ApiError::wrong_type(name, "an object of numbers", b))?;
+        range(name, b, -100.0, 100.0)?;
+        out.push((id, b as f32));
+    }
+    out.sort_by_key(|e| e.0);
+    Ok(out)
+}
+
+/// An integer `x` in `[lo, hi]`, else OpenAI's range message.
+fn int_range(name: &str, x: i64, lo: i64, hi: i64) -> Result<(), ApiError> {
+    if x < lo {
+        Err(ApiError::bad_value(
+            name,
+            format!("Invalid '{name}': integer below minimum value. Expected a value >= {lo}, but got {x} instead."),
+        ))
+    } else if x > hi {
+        Err(ApiError::bad_value(
+            name,
+            format!("Invalid '{name}': integer above maximum value. Expected a value <= {hi}, but got {x} instead."),
+        ))
+    } else {
+        Ok(())
+    }
 }
 
 /// Typed access to an object's fields; JSON `null` counts as absent.
@@ -565,6 +636,15 @@ fn parse_stop(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
             ),
         ));
     }
+    if let Some(long) = stops.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::bad_value(
+            "stop",
+            format!(
+                "Invalid 'stop': a stop sequence of {} bytes; at most {MAX_STOP_BYTES} are allowed.",
+                long.len()
+            ),
+        ));
+    }
     if stops.iter().any(String::is_empty) {
         return Err(ApiError::bad_value(
             "stop",
@@ -690,8 +770,18 @@ mod tests {
             ("max_tokens", json!(0), "invalid_value"),
             ("max_tokens", json!("16"), "invalid_type"),
             ("max_completion_tokens", json!(-5), "invalid_value"),
-            ("n", json!(2), "unsupported_parameter"),
+            ("n", json!(17), "invalid_value"),
             ("n", json!(0), "invalid_value"),
+            ("top_logprobs", json!(21), "invalid_value"),
+            ("top_logprobs", json!(-1), "invalid_value"),
+            ("top_logprobs", json!(3), "invalid_value"),
+            ("logprobs", json!(3), "invalid_type"),
+            ("frequency_penalty", json!(-2.5), "invalid_value"),
+            ("logit_bias", json!({"1": 101}), "invalid_value"),
+            ("logit_bias", json!({"x": 1}), "invalid_value"),
+            ("logit_bias", json!({"1": "a"}), "invalid_type"),
+            ("logit_bias", json!([1]), "invalid_type"),
+            ("stop", json!(["a".repeat(1025)]), "invalid_value"),
             ("seed", json!(1.5), "invalid_type"),
             ("stop", json!(["a", "b", "c", "d", "e"]), "invalid_value"),
             ("stop", json!([""]), "invalid_value"),
@@ -702,15 +792,12 @@ mod tests {
                 json!({"include_usage": true}),
                 "invalid_value",
             ),
-            ("logprobs", json!(true), "unsupported_parameter"),
             (
                 "tools",
                 json!([{"type": "function"}]),
                 "unsupported_parameter",
             ),
-            ("presence_penalty", json!(1), "unsupported_parameter"),
             ("presence_penalty", json!(3), "invalid_value"),
-            ("logit_bias", json!({"1": 5}), "unsupported_parameter"),
             (
                 "response_format",
                 json!({"type": "json_object"}),

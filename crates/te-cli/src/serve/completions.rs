@@ -1,6 +1,16 @@
 //! `POST /v1/completions` and `POST /v1/chat/completions`: parse, build the
 //! prompt (the chat template for chat), submit to the engine, and answer
 //! whole or as server-sent events (`data: {chunk}` ... `data: [DONE]`).
+//!
+//! `n` choices are `n` engine requests on the same prompt tokens: the
+//! engine's prefix sharing computes the prompt's whole pages once (the
+//! later choices wait for the first's prefill and attach its pages), and
+//! choice `i` samples with seed [`choice_seed`]`(seed, i)`, its own random
+//! stream. `usage` counts the prompt once, the completion tokens of every
+//! choice, and as cached the most prompt tokens any choice took from
+//! shared pages. A seeded request's tokens are the same alone and among
+//! any other requests (each sequence samples with its own RNG from its own
+//! batch-invariant logits).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -11,6 +21,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
+use te_engine::sampling::SamplingParams;
 use te_engine::{Event, FinishReason, Request, RequestError, Usage};
 use tokio::sync::mpsc;
 
@@ -18,7 +29,7 @@ use super::api::{self, Endpoint, GenerationRequest, Input, Prompt};
 use super::bridge::{self, Generation, SubmitError};
 use super::error::ApiError;
 use super::metrics::{InFlight, Metrics};
-use super::response::{self, Delta, Meta, TokenIds};
+use super::response::{self, ChoiceOut, Delta, LogprobEntry, Meta, TokenIds};
 use super::state::{unix_now, AppState};
 
 /// Default `max_tokens` of `/v1/completions` (OpenAI's).
@@ -120,17 +131,42 @@ async fn generate(
             Endpoint::Chat => ctx - n,
         },
     };
-    let request = Request {
-        prompt_tokens: prepared.tokens.clone(),
-        max_new_tokens,
-        sampling: req.sampling.clone(),
-        ignore_eos: req.ignore_eos,
-        stop: req.stop.clone(),
-        skip_special_tokens: true,
-    };
-    let generation = bridge::submit(&s.handle, request)
-        .await
-        .map_err(|e| submit_error(e, param))?;
+    let vocab = s.loaded.model.config.vocab_size;
+    if let Some(&(bad, _)) = req
+        .sampling
+        .logit_bias
+        .iter()
+        .find(|b| b.0 as usize >= vocab)
+    {
+        return Err(ApiError::bad_value(
+            "logit_bias",
+            format!(
+                "Invalid 'logit_bias': token id {bad} is outside the vocabulary of {vocab} tokens."
+            ),
+        ));
+    }
+    let mut choices = Vec::with_capacity(req.n);
+    for i in 0..req.n {
+        let request = Request {
+            prompt_tokens: prepared.tokens.clone(),
+            max_new_tokens,
+            sampling: SamplingParams {
+                seed: choice_seed(req.sampling.seed, i),
+                ..req.sampling.clone()
+            },
+            ignore_eos: req.ignore_eos,
+            stop: req.stop.clone(),
+            skip_special_tokens: true,
+        };
+        let generation = bridge::submit(&s.handle, request)
+            .await
+            .map_err(|e| submit_error(e, param))?;
+        choices.push(Choice {
+            generation,
+            generated: 0,
+            done: false,
+        });
+    }
     let meta = Meta {
         endpoint,
         id: s.response_id(endpoint),
@@ -139,7 +175,6 @@ async fn generate(
     };
     let run = Run {
         s,
-        generation,
         meta,
         req,
         prepared,
@@ -147,8 +182,7 @@ async fn generate(
             arrived,
             last: None,
         },
-        generated: 0,
-        settled: false,
+        choices,
         _in_flight: in_flight,
     };
     if run.req.stream {
@@ -156,6 +190,13 @@ async fn generate(
     } else {
         run.collect().await
     }
+}
+
+/// The seed of choice `i` of a request seeded with `seed`: `seed` itself
+/// for the first, then steps of the golden-ratio constant (distinct
+/// streams for every choice).
+pub fn choice_seed(seed: u64, i: usize) -> u64 {
+    seed.wrapping_add((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))
 }
 
 /// The prompt tokens of `input`.
@@ -215,26 +256,36 @@ impl Timing {
 /// One accepted request, from submission to its last byte.
 struct Run {
     s: Arc<AppState>,
-    generation: Generation,
     meta: Meta,
     req: GenerationRequest,
     prepared: Prepared,
     timing: Timing,
-    /// Tokens received so far, and whether the `Finished` event came (a
-    /// run dropped before it counts as an abort).
-    generated: usize,
-    settled: bool,
+    choices: Vec<Choice>,
     _in_flight: InFlight,
+}
+
+/// One choice (one engine request) of a run.
+struct Choice {
+    generation: Generation,
+    /// Tokens received so far, and whether the `Finished` event came (a
+    /// choice dropped before it counts as an abort).
+    generated: usize,
+    done: bool,
 }
 
 impl Drop for Run {
     fn drop(&mut self) {
-        if !self.settled {
-            // The client went away, the server shut down or the engine
-            // stopped; dropping `generation` aborts the sequence.
-            self.s
-                .metrics
-                .finished("abort", self.prepared.tokens.len(), self.generated);
+        for (i, c) in self.choices.iter().enumerate() {
+            if !c.done {
+                // The client went away, the server shut down or the engine
+                // stopped; dropping `generation` aborts the sequence.
+                let prompt = if i == 0 {
+                    self.prepared.tokens.len()
+                } else {
+                    0
+                };
+                self.s.metrics.finished("abort", prompt, c.generated);
+            }
         }
     }
 }
@@ -242,10 +293,13 @@ impl Drop for Run {
 /// What a generation delivered next, as the handlers see it.
 enum Step {
     Token {
+        index: usize,
         token: u32,
         text: String,
+        logprobs: Option<LogprobEntry>,
     },
     Done {
+        index: usize,
         reason: &'static str,
         text: String,
         usage: Usage,
@@ -253,13 +307,37 @@ enum Step {
     Failed(ApiError),
 }
 
+/// Usage of a whole request from its choices': the prompt once.
+#[derive(Default)]
+struct UsageSum(Usage);
+
+impl UsageSum {
+    fn add(&mut self, u: &Usage) {
+        self.0.prompt_tokens = u.prompt_tokens;
+        self.0.cached_prompt_tokens = self.0.cached_prompt_tokens.max(u.cached_prompt_tokens);
+        self.0.generated_tokens += u.generated_tokens;
+    }
+}
+
 impl Run {
-    /// The next step, or a failure on cancellation (shutdown grace over)
-    /// or when the engine stopped.
+    /// Whether every choice has finished.
+    fn all_done(&self) -> bool {
+        self.choices.iter().all(|c| c.done)
+    }
+
+    /// The next step of any unfinished choice, or a failure on
+    /// cancellation (shutdown grace over) or when the engine stopped.
     async fn next(&mut self) -> Step {
         let mut cancel = self.s.cancel.clone();
-        let event = tokio::select! {
-            e = self.generation.next() => e,
+        let pending = self
+            .choices
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, c)| !c.done)
+            .map(|(i, c)| Box::pin(async move { (i, c.generation.next().await) }));
+        // (Receiving is cancel-safe: the futures not chosen lose nothing.)
+        let (index, event) = tokio::select! {
+            ((i, e), _, _) = futures_util::future::select_all(pending) => (i, e),
             _ = cancel.wait_for(|c| *c) => {
                 return Step::Failed(ApiError::status(
                     StatusCode::SERVICE_UNAVAILABLE,
@@ -270,10 +348,34 @@ impl Run {
             }
         };
         match event {
-            Some(Event::Token { token, text, .. }) => {
-                self.generated += 1;
+            Some(Event::Token {
+                token,
+                text,
+                logprobs,
+                ..
+            }) => {
+                self.choices[index].generated += 1;
                 self.timing.token(&self.s.metrics);
-                Step::Token { token, text }
+                let logprobs = logprobs.map(|lp| {
+                    let text = |id: u32| {
+                        self.s
+                            .loaded
+                            .tokenizer
+                            .decode(&[id], false)
+                            .unwrap_or_default()
+                    };
+                    LogprobEntry {
+                        token: text(token),
+                        logprob: lp.logprob,
+                        top: lp.top.iter().map(|&(id, x)| (text(id), x)).collect(),
+                    }
+                });
+                Step::Token {
+                    index,
+                    token,
+                    text,
+                    logprobs,
+                }
             }
             Some(Event::Finished {
                 reason,
@@ -282,17 +384,18 @@ impl Run {
                 ..
             }) => match response::finish_reason(reason) {
                 Some(r) => {
-                    self.settled = true;
+                    self.choices[index].done = true;
                     self.s.metrics.finished(
                         if reason == FinishReason::Length {
                             "length"
                         } else {
                             "stop"
                         },
-                        usage.prompt_tokens,
+                        if index == 0 { usage.prompt_tokens } else { 0 },
                         usage.generated_tokens,
                     );
                     Step::Done {
+                        index,
                         reason: r,
                         text,
                         usage,
@@ -307,34 +410,58 @@ impl Run {
 
     /// A whole response.
     async fn collect(mut self) -> Result<Response, ApiError> {
-        let mut text = self.prepared.echo.take().unwrap_or_default();
-        let mut tokens = Vec::new();
-        loop {
+        let echo = self.prepared.echo.take().unwrap_or_default();
+        let offset = echo.chars().count();
+        let n = self.choices.len();
+        let mut texts = vec![echo; n];
+        let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); n];
+        let mut entries: Vec<Vec<LogprobEntry>> = vec![Vec::new(); n];
+        let mut finish = vec![""; n];
+        let mut usage = UsageSum::default();
+        while !self.all_done() {
             match self.next().await {
-                Step::Token { token, text: t } => {
-                    tokens.push(token);
-                    text.push_str(&t);
+                Step::Token {
+                    index,
+                    token,
+                    text,
+                    logprobs,
+                } => {
+                    tokens[index].push(token);
+                    texts[index].push_str(&text);
+                    entries[index].extend(logprobs);
                 }
                 Step::Done {
+                    index,
                     reason,
-                    text: t,
-                    usage,
+                    text,
+                    usage: u,
                 } => {
-                    text.push_str(&t);
-                    let ids = self.req.return_token_ids.then_some(TokenIds {
-                        prompt: &self.prepared.tokens,
-                        completion: &tokens,
-                    });
-                    let body = response::complete(&self.meta, &text, reason, &usage, ids);
-                    return Ok((
-                        [(header::CONTENT_TYPE, "application/json")],
-                        body.to_string(),
-                    )
-                        .into_response());
+                    texts[index].push_str(&text);
+                    finish[index] = reason;
+                    usage.add(&u);
                 }
                 Step::Failed(e) => return Err(e),
             }
         }
+        let with_logprobs = self.req.sampling.logprobs.is_some();
+        let choices: Vec<ChoiceOut<'_>> = (0..n)
+            .map(|i| ChoiceOut {
+                text: &texts[i],
+                finish: finish[i],
+                logprobs: with_logprobs
+                    .then(|| response::logprobs(self.meta.endpoint, &entries[i], offset)),
+                ids: self.req.return_token_ids.then_some(TokenIds {
+                    prompt: &self.prepared.tokens,
+                    completion: &tokens[i],
+                }),
+            })
+            .collect();
+        let body = response::complete(&self.meta, &choices, &usage.0);
+        Ok((
+            [(header::CONTENT_TYPE, "application/json")],
+            body.to_string(),
+        )
+            .into_response())
     }
 
     /// A server-sent event stream; a task feeds it, and stops (aborting
@@ -355,26 +482,46 @@ impl Run {
     async fn feed(mut self, tx: mpsc::Sender<Bytes>) {
         let usage_too = self.req.include_usage;
         let ids = self.req.return_token_ids;
+        let endpoint = self.meta.endpoint;
         let send = |v: String| {
             let tx = tx.clone();
             async move { tx.send(Bytes::from(v)).await.is_ok() }
         };
         let chunk =
             |meta: &Meta, d: &Delta<'_>| response::sse(&response::chunk(meta, d, usage_too));
-        // The opening chunk: chat's role, completions' echo, the prompt's ids.
+        // The opening chunks: chat's role, completions' echo, the prompt's ids.
         let echo = self.prepared.echo.take();
-        let chat = self.meta.endpoint == Endpoint::Chat;
+        let offset = echo.as_deref().map_or(0, |e| e.chars().count());
+        let chat = endpoint == Endpoint::Chat;
+        let n = self.choices.len();
         if chat || echo.is_some() || ids {
-            let open = Delta {
-                text: Some(echo.as_deref().unwrap_or("")),
-                role: chat,
-                prompt_token_ids: ids.then_some(&self.prepared.tokens[..]),
-                ..Delta::default()
-            };
-            if !send(chunk(&self.meta, &open)).await {
+            let mut out = String::new();
+            for index in 0..n {
+                let open = Delta {
+                    index,
+                    text: Some(echo.as_deref().unwrap_or("")),
+                    role: chat,
+                    prompt_token_ids: ids.then_some(&self.prepared.tokens[..]),
+                    ..Delta::default()
+                };
+                out.push_str(&chunk(&self.meta, &open));
+            }
+            if !send(out).await {
                 return;
             }
         }
+        // Per choice: logprobs of tokens whose text is held back, and the
+        // text offset (completions) of the next token.
+        let mut held: Vec<Vec<LogprobEntry>> = vec![Vec::new(); n];
+        let mut offsets = vec![offset; n];
+        let mut logprobs_of = |index: usize, held: &mut Vec<Vec<LogprobEntry>>| {
+            let e = std::mem::take(&mut held[index]);
+            let v = response::logprobs(endpoint, &e, offsets[index]);
+            offsets[index] += e.iter().map(|x| x.token.chars().count()).sum::<usize>();
+            v
+        };
+        let with_logprobs = self.req.sampling.logprobs.is_some();
+        let mut usage = UsageSum::default();
         loop {
             // A body that hyper dropped (the client went away) ends the
             // request even while no token comes (a long prompt).
@@ -383,43 +530,61 @@ impl Run {
                 _ = tx.closed() => return,
             };
             let ok = match step {
-                Step::Token { token, text } => {
+                Step::Token {
+                    index,
+                    token,
+                    text,
+                    logprobs,
+                } => {
                     let token = [token];
+                    held[index].extend(logprobs);
                     if text.is_empty() && !ids {
                         continue; // held back (incomplete character or possible stop)
                     }
                     let d = Delta {
+                        index,
                         text: Some(&text),
                         token_ids: ids.then_some(&token[..]),
+                        logprobs: with_logprobs.then(|| logprobs_of(index, &mut held)),
                         ..Delta::default()
                     };
                     send(chunk(&self.meta, &d)).await
                 }
                 Step::Done {
+                    index,
                     reason,
                     text,
-                    usage,
+                    usage: u,
                 } => {
+                    usage.add(&u);
                     let mut out = String::new();
-                    if !text.is_empty() {
+                    if !text.is_empty() || !held[index].is_empty() {
                         let d = Delta {
+                            index,
                             text: Some(&text),
+                            logprobs: with_logprobs.then(|| logprobs_of(index, &mut held)),
                             ..Delta::default()
                         };
                         out.push_str(&chunk(&self.meta, &d));
                     }
                     let last = Delta {
+                        index,
                         finish: Some(reason),
                         text: (!chat).then_some(""),
                         ..Delta::default()
                     };
                     out.push_str(&chunk(&self.meta, &last));
-                    if usage_too {
-                        out.push_str(&response::sse(&response::usage_chunk(&self.meta, &usage)));
+                    if self.all_done() {
+                        if usage_too {
+                            out.push_str(&response::sse(&response::usage_chunk(
+                                &self.meta, &usage.0,
+                            )));
+                        }
+                        out.push_str(response::SSE_DONE);
+                        let _ = send(out).await;
+                        return;
                     }
-                    out.push_str(response::SSE_DONE);
-                    let _ = send(out).await;
-                    return;
+                    send(out).await
                 }
                 Step::Failed(e) => {
                     let _ = send(response::sse(&e.body())).await;

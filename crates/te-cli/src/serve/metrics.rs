@@ -235,6 +235,16 @@ impl Metrics {
                 "Sequences preempted (freed, to be recomputed).",
             );
             let _ = writeln!(out, "te_engine_preemptions_total {}", e.stats.preemptions);
+            counter(
+                &mut out,
+                "te_prefix_cache_hit_tokens_total",
+                "Prompt tokens whose keys and values came from shared pages.",
+            );
+            let _ = writeln!(
+                out,
+                "te_prefix_cache_hit_tokens_total {}",
+                e.stats.prefix_hit_tokens
+            );
         }
         self.ttft.render(
             &mut out,

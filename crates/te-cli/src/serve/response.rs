@@ -1,5 +1,6 @@
 //! OpenAI response bodies: `text_completion` and `chat.completion`
-//! objects, their streamed chunks (`chat.completion.chunk`), and `usage`.
+//! objects, their streamed chunks (`chat.completion.chunk`), `usage`, and
+//! `logprobs` in each endpoint's shape.
 
 use serde_json::{json, Value};
 use te_engine::{FinishReason, Usage};
@@ -72,35 +73,114 @@ pub struct TokenIds<'a> {
     pub completion: &'a [u32],
 }
 
-/// A whole (non-streamed) response.
-pub fn complete(
-    meta: &Meta,
-    text: &str,
-    finish: &str,
-    u: &Usage,
-    ids: Option<TokenIds<'_>>,
-) -> Value {
-    let mut choice = match meta.endpoint {
-        Endpoint::Completions => json!({
-            "index": 0, "text": text, "logprobs": null, "finish_reason": finish,
-        }),
-        Endpoint::Chat => json!({
-            "index": 0,
-            "message": {"role": "assistant", "content": text, "refusal": null},
-            "logprobs": null,
-            "finish_reason": finish,
-        }),
-    };
-    if let Some(ids) = ids {
-        choice["prompt_token_ids"] = json!(ids.prompt);
-        choice["token_ids"] = json!(ids.completion);
+/// OpenAI's stand-in for a log-probability of `-inf` (JSON has no
+/// infinity).
+const LOGPROB_FLOOR: f64 = -9999.0;
+
+/// One generated token's log-probabilities, with token texts.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LogprobEntry {
+    /// The token's text (special tokens as written, e.g. `<|im_end|>`).
+    pub token: String,
+    pub logprob: f64,
+    /// The most likely tokens, most likely first.
+    pub top: Vec<(String, f64)>,
+}
+
+/// The `logprobs` object of a choice or chunk holding `entries`: chat's
+/// `{"content": [{token, logprob, bytes, top_logprobs}], "refusal"}`, or
+/// completions' `{tokens, token_logprobs, top_logprobs, text_offset}` with
+/// offsets (in characters) counted from `offset`.
+pub fn logprobs(endpoint: Endpoint, entries: &[LogprobEntry], offset: usize) -> Value {
+    let lp = |x: f64| x.max(LOGPROB_FLOOR);
+    match endpoint {
+        Endpoint::Chat => {
+            let one =
+                |t: &str, x: f64| json!({"token": t, "logprob": lp(x), "bytes": t.as_bytes()});
+            let content: Vec<Value> = entries
+                .iter()
+                .map(|e| {
+                    let mut v = one(&e.token, e.logprob);
+                    v["top_logprobs"] = e.top.iter().map(|(t, x)| one(t, *x)).collect();
+                    v
+                })
+                .collect();
+            json!({"content": content, "refusal": null})
+        }
+        Endpoint::Completions => {
+            let mut at = offset;
+            let mut text_offset = Vec::with_capacity(entries.len());
+            for e in entries {
+                text_offset.push(at);
+                at += e.token.chars().count();
+            }
+            let top: Vec<Value> = entries
+                .iter()
+                .map(|e| {
+                    let m: serde_json::Map<String, Value> = e
+                        .top
+                        .iter()
+                        .map(|(t, x)| (t.clone(), json!(lp(*x))))
+                        .collect();
+                    Value::Object(m)
+                })
+                .collect();
+            json!({
+                "tokens": entries.iter().map(|e| e.token.as_str()).collect::<Vec<_>>(),
+                "token_logprobs": entries.iter().map(|e| lp(e.logprob)).collect::<Vec<_>>(),
+                "top_logprobs": top,
+                "text_offset": text_offset,
+            })
+        }
     }
-    meta.wrap(false, json!([choice]), Some(usage(u)))
+}
+
+/// One finished choice of a whole response.
+#[derive(Clone, Debug)]
+pub struct ChoiceOut<'a> {
+    pub text: &'a str,
+    pub finish: &'a str,
+    /// With `logprobs`: [`logprobs`] of the choice's tokens.
+    pub logprobs: Option<Value>,
+    /// With `return_token_ids`.
+    pub ids: Option<TokenIds<'a>>,
+}
+
+/// A whole (non-streamed) response: `choices` in index order and the
+/// request's usage.
+pub fn complete(meta: &Meta, choices: &[ChoiceOut<'_>], u: &Usage) -> Value {
+    let choices: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(index, c)| {
+            let mut choice = match meta.endpoint {
+                Endpoint::Completions => json!({
+                    "index": index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish,
+                }),
+                Endpoint::Chat => json!({
+                    "index": index,
+                    "message": {"role": "assistant", "content": c.text, "refusal": null},
+                    "logprobs": c.logprobs,
+                    "finish_reason": c.finish,
+                }),
+            };
+            if let Some(ids) = c.ids {
+                choice["prompt_token_ids"] = json!(ids.prompt);
+                choice["token_ids"] = json!(ids.completion);
+            }
+            choice
+        })
+        .collect();
+    meta.wrap(false, Value::Array(choices), Some(usage(u)))
 }
 
 /// One streamed chunk of one choice.
 #[derive(Clone, Debug, Default)]
 pub struct Delta<'a> {
+    /// The choice's index.
+    pub index: usize,
+    /// With `logprobs`: [`logprobs`] of the chunk's tokens.
+    pub logprobs: Option<Value>,
     /// New text (a chat chunk without text has an empty `delta`).
     pub text: Option<&'a str>,
     /// Chat's first chunk: `delta.role = "assistant"`.
@@ -117,7 +197,7 @@ pub struct Delta<'a> {
 pub fn chunk(meta: &Meta, d: &Delta<'_>, include_usage: bool) -> Value {
     let mut choice = match meta.endpoint {
         Endpoint::Completions => json!({
-            "index": 0, "text": d.text.unwrap_or(""), "logprobs": null, "finish_reason": d.finish,
+            "index": d.index, "text": d.text.unwrap_or(""), "logprobs": d.logprobs, "finish_reason": d.finish,
         }),
         Endpoint::Chat => {
             let mut delta = json!({});
@@ -127,7 +207,7 @@ pub fn chunk(meta: &Meta, d: &Delta<'_>, include_usage: bool) -> Value {
             if let Some(t) = d.text {
                 delta["content"] = json!(t);
             }
-            json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": d.finish})
+            json!({"index": d.index, "delta": delta, "logprobs": d.logprobs, "finish_reason": d.finish})
         }
     };
     if let Some(ids) = d.token_ids {
@@ -212,7 +292,13 @@ mod tests {
             cached_prompt_tokens: 0,
             generated_tokens: 1,
         };
-        let c = complete(&meta(Endpoint::Completions), "hi", "length", &u, None);
+        let choice = |finish| ChoiceOut {
+            text: "hi",
+            finish,
+            logprobs: None,
+            ids: None,
+        };
+        let c = complete(&meta(Endpoint::Completions), &[choice("length")], &u);
         assert_eq!(c["object"], "text_completion");
         assert_eq!(c["choices"][0]["text"], "hi");
         assert_eq!(c["usage"]["completion_tokens"], 1);
@@ -220,11 +306,48 @@ mod tests {
             prompt: &[1, 2],
             completion: &[3],
         };
-        let c = complete(&meta(Endpoint::Chat), "hi", "stop", &u, Some(ids));
+        let c = complete(
+            &meta(Endpoint::Chat),
+            &[
+                ChoiceOut {
+                    ids: Some(ids),
+                    ..choice("stop")
+                },
+                choice("length"),
+            ],
+            &u,
+        );
+        assert_eq!(c["choices"][1]["index"], 1);
+        assert_eq!(c["choices"][1]["finish_reason"], "length");
         assert_eq!(c["object"], "chat.completion");
         assert_eq!(c["choices"][0]["message"]["content"], "hi");
         assert_eq!(c["choices"][0]["token_ids"], json!([3]));
         assert_eq!(finish_reason(FinishReason::Eos), Some("stop"));
         assert_eq!(finish_reason(FinishReason::Abort), None);
+    }
+
+    #[test]
+    fn logprobs_in_both_shapes() {
+        let e = [
+            LogprobEntry {
+                token: "é".into(),
+                logprob: -0.5,
+                top: vec![("é".into(), -0.5), ("x".into(), f64::NEG_INFINITY)],
+            },
+            LogprobEntry {
+                token: "b".into(),
+                logprob: -1.0,
+                top: vec![],
+            },
+        ];
+        let c = logprobs(Endpoint::Chat, &e, 0);
+        assert_eq!(c["content"][0]["bytes"], json!([0xc3, 0xa9]));
+        assert_eq!(c["content"][0]["top_logprobs"][1]["logprob"], -9999.0);
+        assert_eq!(c["content"][1]["logprob"], -1.0);
+        let c = logprobs(Endpoint::Completions, &e, 3);
+        assert_eq!(c["tokens"], json!(["é", "b"]));
+        assert_eq!(c["token_logprobs"], json!([-0.5, -1.0]));
+        assert_eq!(c["text_offset"], json!([3, 4]));
+        assert_eq!(c["top_logprobs"][0]["x"], -9999.0);
     }
 }

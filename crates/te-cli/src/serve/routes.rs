@@ -1,10 +1,11 @@
 //! The router: the routes over the shared [`AppState`], the API-key and
 //! request-counting middleware, and the small endpoints (`/health`,
-//! `/v1/models`, `/metrics`, the chat page).
+//! `/v1/models`, `/metrics`, `/tokenize`, `/detokenize`, the chat page).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};
 use axum::http::{header, Method, StatusCode, Uri};
 use axum::middleware::{self, Next};
@@ -33,6 +34,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/v1/models/{*model}", get(model))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -196,4 +199,90 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
         s.metrics.render(snapshot.as_ref()),
     )
         .into_response()
+}
+
+/// A JSON object body, or a 400.
+fn json_object(body: &[u8]) -> Result<serde_json::Map<String, serde_json::Value>, ApiError> {
+    match serde_json::from_slice(body) {
+        Ok(serde_json::Value::Object(o)) => Ok(o),
+        Ok(v) => Err(ApiError::wrong_type("body", "an object", &v)),
+        Err(e) => Err(ApiError::invalid(
+            None,
+            "invalid_json",
+            format!("We could not parse the JSON body of your request ({e})."),
+        )),
+    }
+}
+
+/// `POST /tokenize` (llama.cpp's shape, vLLM's `prompt` accepted too):
+/// `{"content": TEXT}` -> `{"tokens": [ids], "count", "max_model_len"}`,
+/// the tokens a completion prompt of that text gets (BOS where the model
+/// adds one, special-token text parsed).
+async fn tokenize(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    let result = async {
+        let o = json_object(&body)?;
+        let (name, text) = match (o.get("content"), o.get("prompt")) {
+            (Some(v), _) => ("content", v),
+            (None, Some(v)) => ("prompt", v),
+            (None, None) => {
+                return Err(ApiError::invalid(
+                    Some("content"),
+                    "missing_required_parameter",
+                    "Missing required parameter: 'content'.",
+                ))
+            }
+        };
+        let text = text
+            .as_str()
+            .ok_or_else(|| ApiError::wrong_type(name, "a string", text))?
+            .to_string();
+        let st = s.clone();
+        let tokens = tokio::task::spawn_blocking(move || st.loaded.tokenizer.encode(&text, true))
+            .await
+            .map_err(|e| ApiError::bad_value(name, e.to_string()))?
+            .map_err(|e| ApiError::bad_value(name, e.to_string()))?;
+        Ok::<_, ApiError>(json!({
+            "tokens": tokens,
+            "count": tokens.len(),
+            "max_model_len": s.context_tokens,
+        }))
+    };
+    match result.await {
+        Ok(v) => json_response(StatusCode::OK, &v),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /detokenize`: `{"tokens": [ids]}` -> `{"content": TEXT}`
+/// (special tokens kept); an id outside the vocabulary is a 400 naming
+/// `tokens`.
+async fn detokenize(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    let result = async {
+        let o = json_object(&body)?;
+        let v = o.get("tokens").ok_or_else(|| {
+            ApiError::invalid(
+                Some("tokens"),
+                "missing_required_parameter",
+                "Missing required parameter: 'tokens'.",
+            )
+        })?;
+        let ids = v
+            .as_array()
+            .and_then(|a| {
+                a.iter()
+                    .map(|x| x.as_u64().and_then(|u| u32::try_from(u).ok()))
+                    .collect::<Option<Vec<u32>>>()
+            })
+            .ok_or_else(|| ApiError::wrong_type("tokens", "an array of token ids", v))?;
+        let st = s.clone();
+        let text = tokio::task::spawn_blocking(move || st.loaded.tokenizer.decode(&ids, false))
+            .await
+            .map_err(|e| ApiError::bad_value("tokens", e.to_string()))?
+            .map_err(|e| ApiError::bad_value("tokens", format!("Invalid 'tokens': {e}.")))?;
+        Ok::<_, ApiError>(json!({"content": text}))
+    };
+    match result.await {
+        Ok(v) => json_response(StatusCode::OK, &v),
+        Err(e) => e.into_response(),
+    }
 }
