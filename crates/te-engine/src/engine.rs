@@ -439,7 +439,7 @@ impl<'a> Engine<'a> {
             max_new_tokens: request.max_new_tokens,
             ignore_eos: request.ignore_eos,
             limit: n.saturating_add(request.max_new_tokens).min(ctx),
-            sampler: Sampler::new(request.sampling),
+            sampler: Sampler::new(request.sampling).with_constraint(request.constraint),
             text: TextState::new(
                 self.tokenizer
                     .map(|t| t.decode_stream(request.skip_special_tokens)),

@@ -17,6 +17,7 @@
 //! batch-invariant); a rejected request disturbs no other; a failed step
 //! leaves every cache operation undone.
 
+pub mod constraint;
 pub mod driver;
 pub mod engine;
 pub mod error;

@@ -1,6 +1,7 @@
 //! Requests as the engine takes them: the prompt, limits, sampling and
 //! stop settings, and the typed reasons a request is refused.
 
+use crate::constraint::TokenConstraint;
 use crate::sampling::SamplingParams;
 
 /// Identifies a request for the engine's lifetime (never reused).
@@ -22,6 +23,9 @@ pub struct Request {
     pub stop: Vec<String>,
     /// Leave special tokens (BOS, EOS, chat markers) out of the text.
     pub skip_special_tokens: bool,
+    /// The grammar the generated tokens must follow (structured outputs,
+    /// tool calls), if any ([`crate::constraint`]).
+    pub constraint: Option<TokenConstraint>,
 }
 
 impl Request {
@@ -35,6 +39,7 @@ impl Request {
             ignore_eos: false,
             stop: Vec::new(),
             skip_special_tokens: true,
+            constraint: None,
         }
     }
 }

@@ -62,6 +62,7 @@ use std::cmp::Ordering;
 
 use rand::{Rng, SeedableRng};
 
+use crate::constraint::TokenConstraint;
 use crate::output::TokenLogprobs;
 
 /// Sampling settings of one sequence.
@@ -239,6 +240,8 @@ pub struct Sampler {
     counts: Vec<u32>,
     /// The log-probabilities of the last chosen token, until taken.
     logprobs: Option<TokenLogprobs>,
+    /// The grammar the tokens must follow, if any.
+    constraint: Option<TokenConstraint>,
 }
 
 impl Sampler {
@@ -256,7 +259,16 @@ impl Sampler {
             work: Vec::new(),
             counts: Vec::new(),
             logprobs: None,
+            constraint: None,
         }
+    }
+
+    /// This sampler with its tokens held to `constraint`'s grammar: the
+    /// tokens it does not allow get `-inf` after the other adjustments
+    /// (see [`crate::constraint`]).
+    pub fn with_constraint(mut self, constraint: Option<TokenConstraint>) -> Self {
+        self.constraint = constraint;
+        self
     }
 
     /// Whether this sampler always takes the plain argmax of the logits
@@ -268,6 +280,7 @@ impl Sampler {
             && self.params.repetition_penalty == 1.0
             && !self.params.adjusts()
             && self.params.logprobs.is_none()
+            && self.constraint.is_none()
     }
 
     /// The log-probabilities of the token the last [`Sampler::sample`]
@@ -282,7 +295,7 @@ impl Sampler {
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         let from = *self.generated_from.get_or_insert(history.len());
         let (params, rng, cand) = (&self.params, &mut self.rng, &mut self.cand);
-        let id = if params.adjusts() {
+        let id = if params.adjusts() || self.constraint.is_some() {
             adjust(
                 params,
                 &mut self.work,
@@ -294,10 +307,16 @@ impl Sampler {
                     generated: &history[from.min(history.len())..],
                 },
             );
+            if let Some(c) = &mut self.constraint {
+                c.mask(&mut self.work);
+            }
             pick(params, rng, cand, &self.work, |_, l| l)
         } else {
             pick_penalized(params, rng, cand, &mut self.history_bits, logits, history)
         };
+        if let Some(c) = &mut self.constraint {
+            c.commit(id);
+        }
         if let Some(k) = self.params.logprobs {
             self.logprobs = Some(TokenLogprobs::of(logits, id, k));
         }

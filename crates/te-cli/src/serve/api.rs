@@ -63,7 +63,25 @@ pub struct GenerationRequest {
     pub return_token_ids: bool,
     /// Choices to generate (`n`), each with its own random stream.
     pub n: usize,
+    /// `response_format`: JSON output by constrained decoding.
+    pub response_format: Option<ResponseFormat>,
 }
+
+/// A `response_format` other than text.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ResponseFormat {
+    /// `{"type": "json_object"}`: any JSON object.
+    JsonObject,
+    /// `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`:
+    /// JSON valid against `schema`.
+    JsonSchema(Value),
+}
+
+/// Largest JSON schema, in bytes of its JSON text.
+pub const MAX_SCHEMA_BYTES: usize = 32 * 1024;
+
+/// Deepest nesting of objects and arrays in a JSON schema.
+pub const MAX_SCHEMA_DEPTH: usize = 24;
 
 impl GenerationRequest {
     /// The field a prompt-length error names.
@@ -183,18 +201,6 @@ pub fn parse(
                 None => {}
                 Some(Value::String(s)) if s == "none" || s == "auto" => {}
                 Some(_) => return Err(ApiError::unsupported("tool_choice", "tool calling")),
-            }
-            match f.get("response_format") {
-                None => {}
-                Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("text") => {
-                }
-                Some(Value::Object(_)) => {
-                    return Err(ApiError::unsupported(
-                        "response_format",
-                        "a response format other than text",
-                    ))
-                }
-                Some(v) => return Err(ApiError::wrong_type("response_format", "an object", v)),
             }
             if let Some(Value::Array(m)) = f.get("modalities") {
                 if m.iter().any(|x| x.as_str() != Some("text")) {
@@ -326,7 +332,81 @@ pub fn parse(
         ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
         return_token_ids: f.bool("return_token_ids")?.unwrap_or(false),
         n: n as usize,
+        response_format: parse_response_format(f.get("response_format"))?,
     })
+}
+
+/// `response_format`: `text` (None), `json_object`, or `json_schema` with
+/// its schema within [`MAX_SCHEMA_BYTES`] and [`MAX_SCHEMA_DEPTH`].
+fn parse_response_format(v: Option<&Value>) -> Result<Option<ResponseFormat>, ApiError> {
+    let name = "response_format";
+    let o = match v {
+        None => return Ok(None),
+        Some(Value::Object(o)) => o,
+        Some(v) => return Err(ApiError::wrong_type(name, "an object", v)),
+    };
+    match o.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(ResponseFormat::JsonObject)),
+        Some("json_schema") => {
+            let param = "response_format.json_schema";
+            let js = match o.get("json_schema") {
+                Some(Value::Object(js)) => js,
+                None | Some(Value::Null) => return Err(missing(param)),
+                Some(v) => return Err(ApiError::wrong_type(param, "an object", v)),
+            };
+            let param = "response_format.json_schema.schema";
+            let schema = match js.get("schema") {
+                // OpenAI's default: any JSON object.
+                None | Some(Value::Null) => serde_json::json!({"type": "object"}),
+                Some(v @ (Value::Object(_) | Value::Bool(_))) => v.clone(),
+                Some(v) => return Err(ApiError::wrong_type(param, "an object", v)),
+            };
+            schema_limits(param, &schema)?;
+            Ok(Some(ResponseFormat::JsonSchema(schema)))
+        }
+        Some(other) => Err(ApiError::bad_value(
+            "response_format.type",
+            format!("Invalid 'response_format.type': '{other}'. Supported values are: 'text', 'json_object' and 'json_schema'."),
+        )),
+        None => Err(missing("response_format.type")),
+    }
+}
+
+/// A schema within [`MAX_SCHEMA_BYTES`] and [`MAX_SCHEMA_DEPTH`], else a
+/// 400 naming `param`.
+pub fn schema_limits(param: &str, schema: &Value) -> Result<(), ApiError> {
+    let bytes = schema.to_string().len();
+    if bytes > MAX_SCHEMA_BYTES {
+        return Err(ApiError::bad_value(
+            param,
+            format!("Invalid '{param}': the schema is {bytes} bytes; at most {MAX_SCHEMA_BYTES} are allowed."),
+        ));
+    }
+    let depth = json_depth(schema);
+    if depth > MAX_SCHEMA_DEPTH {
+        return Err(ApiError::bad_value(
+            param,
+            format!("Invalid '{param}': the schema nests {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed."),
+        ));
+    }
+    Ok(())
+}
+
+/// Nesting depth of objects and arrays (a scalar is 0), without
+/// recursion.
+fn json_depth(v: &Value) -> usize {
+    let mut deepest = 0;
+    let mut stack = vec![(v, 0usize)];
+    while let Some((v, d)) = stack.pop() {
+        deepest = deepest.max(d);
+        match v {
+            Value::Array(a) => stack.extend(a.iter().map(|x| (x, d + 1))),
+            Value::Object(o) => stack.extend(o.values().map(|x| (x, d + 1))),
+            _ => {}
+        }
+    }
+    deepest
 }
 
 /// `logit_bias`: an object from token ids (decimal strings) to biases in
@@ -798,11 +878,6 @@ mod tests {
                 "unsupported_parameter",
             ),
             ("presence_penalty", json!(3), "invalid_value"),
-            (
-                "response_format",
-                json!({"type": "json_object"}),
-                "unsupported_parameter",
-            ),
             ("model", json!(3), "invalid_type"),
         ];
         for (field, value, code) in cases {
@@ -815,6 +890,63 @@ mod tests {
         }
         let msg = with("temperature", json!(5)).unwrap_err().message;
         assert!(msg.contains("<= 2"), "{msg}");
+    }
+
+    #[test]
+    fn response_formats_and_their_limits() {
+        let base = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        let with = |v: Value| {
+            let mut b = base.clone();
+            b["response_format"] = v;
+            chat(b)
+        };
+        assert_eq!(with(json!({"type": "text"})).unwrap().response_format, None);
+        assert_eq!(
+            with(json!({"type": "json_object"})).unwrap().response_format,
+            Some(ResponseFormat::JsonObject)
+        );
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        assert_eq!(
+            with(json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}))
+                .unwrap()
+                .response_format,
+            Some(ResponseFormat::JsonSchema(schema))
+        );
+        let mut deep = json!({"type": "string"});
+        for _ in 0..13 {
+            deep = json!({"type": "array", "items": deep});
+        }
+        let big: Map<String, Value> = (0..2000)
+            .map(|i| (format!("field_{i}"), json!({"type": "string"})))
+            .collect();
+        let schema_param = "response_format.json_schema.schema";
+        for (v, param, code) in [
+            (json!({"type": "xml"}), "response_format.type", "invalid_value"),
+            (json!({}), "response_format.type", "missing_required_parameter"),
+            (json!("json"), "response_format", "invalid_type"),
+            (
+                json!({"type": "json_schema"}),
+                "response_format.json_schema",
+                "missing_required_parameter",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"schema": 3}}),
+                schema_param,
+                "invalid_type",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"schema": deep}}),
+                schema_param,
+                "invalid_value",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": big}}}),
+                schema_param,
+                "invalid_value",
+            ),
+        ] {
+            assert_eq!(err_param(with(v.clone())), (param.into(), Some(code)), "{v}");
+        }
     }
 
     #[test]

@@ -21,11 +21,12 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
+use te_engine::constraint::TokenConstraint;
 use te_engine::sampling::SamplingParams;
 use te_engine::{Event, FinishReason, Request, RequestError, Usage};
 use tokio::sync::mpsc;
 
-use super::api::{self, Endpoint, GenerationRequest, Input, Prompt};
+use super::api::{self, Endpoint, GenerationRequest, Input, Prompt, ResponseFormat};
 use super::bridge::{self, Generation, SubmitError};
 use super::error::ApiError;
 use super::metrics::{InFlight, Metrics};
@@ -145,6 +146,17 @@ async fn generate(
             ),
         ));
     }
+    let constraint = match req.response_format.clone() {
+        None => None,
+        Some(format) => {
+            let s = s.clone();
+            Some(
+                tokio::task::spawn_blocking(move || response_constraint(&s, format))
+                    .await
+                    .map_err(|e| internal(format!("compiling the schema failed: {e}")))??,
+            )
+        }
+    };
     let mut choices = Vec::with_capacity(req.n);
     for i in 0..req.n {
         let request = Request {
@@ -157,6 +169,7 @@ async fn generate(
             ignore_eos: req.ignore_eos,
             stop: req.stop.clone(),
             skip_special_tokens: true,
+            constraint: constraint.clone(),
         };
         let generation = bridge::submit(&s.handle, request)
             .await
@@ -197,6 +210,26 @@ async fn generate(
 /// streams for every choice).
 pub fn choice_seed(seed: u64, i: usize) -> u64 {
     seed.wrapping_add((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+}
+
+/// The grammar of a `response_format`.
+///
+/// Errors: 400 naming the schema (with llguidance's message, which names
+/// the keyword) when it does not compile or the model's vocabulary cannot
+/// be used for constrained decoding.
+fn response_constraint(s: &AppState, format: ResponseFormat) -> Result<TokenConstraint, ApiError> {
+    let grammars = s
+        .grammars()
+        .map_err(|e| ApiError::unsupported("response_format", &format!("constrained decoding with this model ({e})")))?;
+    match format {
+        ResponseFormat::JsonObject => grammars
+            .json_schema(serde_json::json!({"type": "object"}))
+            .map_err(|e| internal(e.to_string())),
+        ResponseFormat::JsonSchema(schema) => grammars.json_schema(schema).map_err(|e| {
+            let param = "response_format.json_schema.schema";
+            ApiError::bad_value(param, format!("Invalid '{param}': {e}"))
+        }),
+    }
 }
 
 /// The prompt tokens of `input`.

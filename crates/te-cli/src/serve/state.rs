@@ -5,9 +5,10 @@
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use te_engine::constraint::{GrammarError, Grammars};
 use te_engine::EngineHandle;
 use te_models::loader::LoadedModel;
 use tokio::sync::watch;
@@ -34,6 +35,9 @@ pub struct AppState {
     pub cancel: watch::Receiver<bool>,
     /// Whether the engine loop still runs.
     pub engine_alive: Arc<AtomicBool>,
+    /// The vocabulary for constrained decoding, built at the first request
+    /// that needs it ([`AppState::grammars`]).
+    grammars: OnceLock<Result<Arc<Grammars>, GrammarError>>,
     shutting_down: AtomicBool,
     next_id: AtomicU64,
     random: RandomState,
@@ -81,10 +85,24 @@ impl AppState {
             max_body_bytes,
             cancel,
             engine_alive,
+            grammars: OnceLock::new(),
             shutting_down: AtomicBool::new(false),
             next_id: AtomicU64::new(0),
             random: RandomState::new(),
         }
+    }
+
+    /// The model's [`Grammars`] (built on first use: a pass over the
+    /// vocabulary; call it off the async threads).
+    ///
+    /// Errors: a vocabulary llguidance cannot take (the same every call).
+    pub fn grammars(&self) -> Result<Arc<Grammars>, GrammarError> {
+        self.grammars
+            .get_or_init(|| {
+                let c = &self.loaded.model.config;
+                Grammars::new(&self.loaded.tokenizer, c.vocab_size, &c.eos_token_ids).map(Arc::new)
+            })
+            .clone()
     }
 
     /// New generation requests get 503 from now on.
