@@ -2,7 +2,8 @@
 //! package (completions and chat, streaming and not, equal to `te
 //! generate`; usage; 32 concurrent streams with 8 clients leaving midway;
 //! bad requests beside a good client) and the chat page in headless
-//! Chromium (tests/serve/*.py), and graceful shutdown on SIGTERM.
+//! Chromium (tests/serve/*.py), structured outputs (JSON schemas) on
+//! SmolLM2 and Qwen2.5-Coder-0.5B, and graceful shutdown on SIGTERM.
 //!
 //! The Python tests need `openai` and `selenium` (tests/serve/requirements.txt)
 //! and Debian's `chromium` and `chromium-driver`; `.ci/run` installs them.
@@ -35,8 +36,12 @@ struct Server {
 
 impl Server {
     fn start(extra: &[&str]) -> Server {
+        Self::start_model(MODEL, extra)
+    }
+
+    fn start_model(model: &str, extra: &[&str]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_te"))
-            .args(["serve", "--model", MODEL, "--port", "0"])
+            .args(["serve", "--model", model, "--port", "0"])
             .args(extra)
             .stderr(Stdio::piped())
             .stdout(Stdio::null())
@@ -186,6 +191,20 @@ fn openai_package_against_te_serve() {
         "openai_client.py",
         &[&server.url(), API_KEY, env!("CARGO_BIN_EXE_te"), MODEL],
     );
+}
+
+/// Structured outputs (tests/serve/structured.py) on SmolLM2-135M and
+/// Qwen2.5-Coder-0.5B.
+#[test]
+fn structured_outputs_on_smollm2_and_qwen() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !have(&["openai", "jsonschema"], &[]) {
+        return;
+    }
+    for model in [MODEL, "qwen2.5-coder-0.5b"] {
+        let server = Server::start_model(model, &["--api-key", API_KEY, "--max-batch-size", "32"]);
+        run_python("structured.py", &[&server.url(), API_KEY, model]);
+    }
 }
 
 #[test]

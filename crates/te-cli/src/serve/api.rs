@@ -902,7 +902,9 @@ mod tests {
         };
         assert_eq!(with(json!({"type": "text"})).unwrap().response_format, None);
         assert_eq!(
-            with(json!({"type": "json_object"})).unwrap().response_format,
+            with(json!({"type": "json_object"}))
+                .unwrap()
+                .response_format,
             Some(ResponseFormat::JsonObject)
         );
         let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
@@ -921,8 +923,16 @@ mod tests {
             .collect();
         let schema_param = "response_format.json_schema.schema";
         for (v, param, code) in [
-            (json!({"type": "xml"}), "response_format.type", "invalid_value"),
-            (json!({}), "response_format.type", "missing_required_parameter"),
+            (
+                json!({"type": "xml"}),
+                "response_format.type",
+                "invalid_value",
+            ),
+            (
+                json!({}),
+                "response_format.type",
+                "missing_required_parameter",
+            ),
             (json!("json"), "response_format", "invalid_type"),
             (
                 json!({"type": "json_schema"}),
@@ -945,7 +955,11 @@ mod tests {
                 "invalid_value",
             ),
         ] {
-            assert_eq!(err_param(with(v.clone())), (param.into(), Some(code)), "{v}");
+            assert_eq!(
+                err_param(with(v.clone())),
+                (param.into(), Some(code)),
+                "{v}"
+            );
         }
     }
 

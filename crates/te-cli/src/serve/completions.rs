@@ -218,9 +218,12 @@ pub fn choice_seed(seed: u64, i: usize) -> u64 {
 /// the keyword) when it does not compile or the model's vocabulary cannot
 /// be used for constrained decoding.
 fn response_constraint(s: &AppState, format: ResponseFormat) -> Result<TokenConstraint, ApiError> {
-    let grammars = s
-        .grammars()
-        .map_err(|e| ApiError::unsupported("response_format", &format!("constrained decoding with this model ({e})")))?;
+    let grammars = s.grammars().map_err(|e| {
+        ApiError::unsupported(
+            "response_format",
+            &format!("constrained decoding with this model ({e})"),
+        )
+    })?;
     match format {
         ResponseFormat::JsonObject => grammars
             .json_schema(serde_json::json!({"type": "object"}))
