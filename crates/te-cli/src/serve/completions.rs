@@ -83,13 +83,16 @@ async fn generate(
             ),
         )
     })?;
-    let prepared = {
+    // The request's slot travels with the tokenizing: a client that
+    // leaves meanwhile does not free it before the work ends.
+    let (prepared, in_flight) = {
         let s = s.clone();
         let input = req.input.clone();
-        tokio::task::spawn_blocking(move || prepare(&s, &input))
+        tokio::task::spawn_blocking(move || (prepare(&s, &input), in_flight))
             .await
-            .map_err(|e| internal(format!("tokenizing failed: {e}")))??
+            .map_err(|e| internal(format!("tokenizing failed: {e}")))?
     };
+    let prepared = prepared?;
     let param = req.prompt_param();
     let n = prepared.tokens.len();
     let ctx = s.context_tokens;

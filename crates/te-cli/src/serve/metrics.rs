@@ -7,6 +7,7 @@
 //! | `te_requests_finished_total{reason}` (`stop`, `length`, `abort`) | counter |
 //! | `te_prompt_tokens_total`, `te_generation_tokens_total` | counter |
 //! | `te_requests_in_flight` (generation requests the server holds) | gauge |
+//! | `te_connections_refused_total` (over `--max-connections-per-client`) | counter |
 //! | `te_sequences_running`, `te_sequences_waiting` | gauge |
 //! | `te_kv_cache_pages_in_use`, `te_kv_cache_pages_total` | gauge |
 //! | `te_engine_preemptions_total` | counter |
@@ -82,6 +83,7 @@ pub struct Metrics {
     prompt_tokens: AtomicU64,
     generation_tokens: AtomicU64,
     in_flight: AtomicU64,
+    connections_refused: AtomicU64,
     ttft: Histogram,
     itl: Histogram,
 }
@@ -94,6 +96,7 @@ impl Default for Metrics {
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
+            connections_refused: AtomicU64::new(0),
             ttft: Histogram::new(TTFT_BOUNDS),
             itl: Histogram::new(ITL_BOUNDS),
         }
@@ -119,6 +122,12 @@ impl Metrics {
             .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
         self.generation_tokens
             .fetch_add(generated as u64, Ordering::Relaxed);
+    }
+
+    /// A connection closed at once: its client address holds
+    /// `--max-connections-per-client` already.
+    pub fn connection_refused(&self) {
+        self.connections_refused.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Seconds from a request's arrival to its first token.
@@ -203,6 +212,16 @@ impl Metrics {
             "te_requests_in_flight",
             "Generation requests the server holds (queued, running or streaming).",
             self.in_flight(),
+        );
+        counter(
+            &mut out,
+            "te_connections_refused_total",
+            "Connections closed at once: their client address held --max-connections-per-client.",
+        );
+        let _ = writeln!(
+            out,
+            "te_connections_refused_total {}",
+            self.connections_refused.load(Ordering::Relaxed)
         );
         if let Some(e) = engine {
             gauge(

@@ -14,7 +14,8 @@
 //! (the two generation endpoints), [`api`] (request parsing and
 //! validation), [`response`] (response and chunk bodies), [`error`] (OpenAI
 //! error bodies), [`bridge`] (async side of the engine handle), [`metrics`]
-//! (Prometheus text), [`listener`] (connection limit).
+//! (Prometheus text), [`listener`] (connections: caps and timeouts),
+//! [`guard`] (the request body's deadline).
 //!
 //! Shutdown (SIGINT or SIGTERM): stop accepting, answer new generation
 //! requests on open connections with 503, let running ones finish for
@@ -25,13 +26,13 @@ mod api;
 mod bridge;
 mod completions;
 mod error;
+mod guard;
 mod listener;
 mod metrics;
 mod response;
 mod routes;
 mod state;
 
-use std::future::IntoFuture;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -80,6 +81,22 @@ pub struct Args {
     /// Most open connections; more wait to be accepted.
     #[arg(long, default_value_t = 512)]
     max_connections: usize,
+    /// Most open connections from one client IP address; more are closed
+    /// at once.
+    #[arg(long, default_value_t = 64)]
+    max_connections_per_client: usize,
+    /// Seconds a connection has to send a whole request head once it
+    /// waits for one (after opening, and after each response: the idle
+    /// keep-alive timeout too).
+    #[arg(long, default_value_t = 10.0)]
+    header_read_timeout_secs: f64,
+    /// Seconds a request body has to arrive, from its head (later: 400).
+    #[arg(long, default_value_t = 30.0)]
+    body_read_timeout_secs: f64,
+    /// Seconds a response write may make no progress (a client that
+    /// stopped reading) before the connection is closed.
+    #[arg(long, default_value_t = 30.0)]
+    write_timeout_secs: f64,
     /// Most generation requests held at once (queued, running or
     /// streaming); more get 429.
     #[arg(long, default_value_t = 256)]
@@ -94,6 +111,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     args.threads.init()?;
     for (name, v) in [
         ("--max-batch-size", args.max_batch_size),
+        (
+            "--max-connections-per-client",
+            args.max_connections_per_client,
+        ),
         ("--max-body-bytes", args.max_body_bytes),
         ("--max-connections", args.max_connections),
         (
@@ -106,6 +127,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             bail!("{name} must be at least 1");
         }
     }
+    let header_read_timeout = seconds("--header-read-timeout-secs", args.header_read_timeout_secs)?;
+    let body_read_timeout = seconds("--body-read-timeout-secs", args.body_read_timeout_secs)?;
+    let write_timeout = seconds("--write-timeout-secs", args.write_timeout_secs)?;
+    // Bind before loading the model: a taken port fails at once.
+    let tcp = std::net::TcpListener::bind((args.host.as_str(), args.port))
+        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    tcp.set_nonblocking(true)
+        .context("making the listening socket non-blocking")?;
     let loaded = Arc::new(crate::load(&args.model)?);
     let config = EngineConfig {
         max_batch_size: args.max_batch_size,
@@ -166,6 +195,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         api_key: args.api_key.clone(),
         max_concurrent_requests: args.max_concurrent_requests,
         max_body_bytes: args.max_body_bytes,
+        body_read_timeout,
     };
     let state = Arc::new(AppState::new(
         handle,
@@ -174,7 +204,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         cancel_rx,
         engine_alive,
     ));
-    let served = runtime.block_on(serve(&args, state, cancel_tx));
+    let limits = listener::Limits {
+        max_connections: args.max_connections,
+        max_per_client: args.max_connections_per_client,
+        header_read_timeout,
+        write_timeout,
+    };
+    let served = runtime.block_on(serve(&args, tcp, limits, state, cancel_tx));
     // Ends what is left (cancelled streams) and drops every engine handle,
     // so the engine loop returns.
     runtime.shutdown_timeout(Duration::from_secs(10));
@@ -187,26 +223,36 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Binds, serves until a signal, then shuts down gracefully.
+/// A positive, finite number of seconds from flag `name`.
+fn seconds(name: &str, secs: f64) -> anyhow::Result<Duration> {
+    if !(secs.is_finite() && secs > 0.0 && secs < 1e9) {
+        bail!("{name} must be a positive number of seconds, not {secs}");
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// Serves on `tcp` until a signal, then shuts down gracefully.
 async fn serve(
     args: &Args,
+    tcp: std::net::TcpListener,
+    limits: listener::Limits,
     state: Arc<AppState>,
     cancel: watch::Sender<bool>,
 ) -> anyhow::Result<()> {
-    let tcp = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
-        .await
-        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    let tcp = tokio::net::TcpListener::from_std(tcp).context("listening")?;
     let addr = tcp.local_addr()?;
-    let listener = listener::LimitedListener::new(tcp, args.max_connections);
     // Signals seen: 1 starts the graceful shutdown, 2 cancels at once.
     let (signals_tx, mut signals) = watch::channel(0u32);
     tokio::spawn(count_signals(signals_tx));
     let mut first_signal = signals.clone();
-    let server =
-        axum::serve(listener, routes::router(state.clone())).with_graceful_shutdown(async move {
-            let _ = first_signal.wait_for(|&n| n >= 1).await;
-        });
-    let mut server = tokio::spawn(server.into_future());
+    let router = routes::router(state.clone()).layer(axum::middleware::from_fn_with_state(
+        state.clone(),
+        guard::body_deadline,
+    ));
+    let server = listener::serve(tcp, router, limits, state.metrics.clone(), async move {
+        let _ = first_signal.wait_for(|&n| n >= 1).await;
+    });
+    let mut server = tokio::spawn(server);
     eprintln!("listening on http://{addr} (model {})", state.model_name);
     tokio::select! {
         result = &mut server => return finished(result),
@@ -240,8 +286,8 @@ async fn serve(
     }
 }
 
-fn finished(result: Result<std::io::Result<()>, tokio::task::JoinError>) -> anyhow::Result<()> {
-    result.context("the server task failed")?.context("serving")
+fn finished(result: Result<(), tokio::task::JoinError>) -> anyhow::Result<()> {
+    result.context("the server task failed")
 }
 
 /// Counts SIGINT and SIGTERM into `tx`.

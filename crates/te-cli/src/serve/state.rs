@@ -6,7 +6,7 @@ use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use te_engine::EngineHandle;
 use te_models::loader::LoadedModel;
@@ -27,6 +27,8 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     pub max_concurrent_requests: u64,
     pub max_body_bytes: usize,
+    /// `--body-read-timeout-secs`: a request body's deadline from its head.
+    pub body_read_timeout: Duration,
     /// The model's context in tokens.
     pub context_tokens: usize,
     /// Becomes true when the shutdown grace period is over: running
@@ -52,6 +54,8 @@ pub struct ServeSettings {
     pub max_concurrent_requests: u64,
     /// `--max-body-bytes`: the largest request body, in bytes.
     pub max_body_bytes: usize,
+    /// `--body-read-timeout-secs`: a request body's deadline from its head.
+    pub body_read_timeout: Duration,
 }
 
 impl AppState {
@@ -68,6 +72,7 @@ impl AppState {
             api_key,
             max_concurrent_requests,
             max_body_bytes,
+            body_read_timeout,
         } = settings;
         AppState {
             context_tokens: loaded.model.config.max_position_embeddings,
@@ -79,6 +84,7 @@ impl AppState {
             metrics: Arc::new(Metrics::default()),
             max_concurrent_requests,
             max_body_bytes,
+            body_read_timeout,
             cancel,
             engine_alive,
             shutting_down: AtomicBool::new(false),
