@@ -269,3 +269,120 @@ fn a_disconnect_is_noticed_even_after_extra_bytes() {
         1.0
     );
 }
+
+/// The server's CPU seconds so far and resident bytes (Linux /proc).
+fn usage(pid: u32) -> (f64, f64) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command's closing parenthesis; utime and stime are
+    // the 14th and 15th of the line.
+    let rest: Vec<&str> = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .collect();
+    let ticks: f64 = rest[11].parse::<f64>().unwrap() + rest[12].parse::<f64>().unwrap();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let rss_kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap();
+    // USER_HZ is 100 on every Linux this runs on.
+    (ticks / 100.0, rss_kb * 1024.0)
+}
+
+/// The sum of `te_http_requests_total` lines of `endpoint` with `statuses`.
+fn responses(server: &Server, endpoint: &str, statuses: &[u16]) -> f64 {
+    statuses
+        .iter()
+        .map(|s| {
+            let (_, text) = server.request_from("127.0.0.1", "GET", "/metrics", "", None);
+            let name = format!("te_http_requests_total{{endpoint=\"{endpoint}\",status=\"{s}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(&name)?.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        })
+        .sum()
+}
+
+#[test]
+fn huge_prompts_closed_early_leave_no_work_behind() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start(&["--max-body-bytes", "8000000"]);
+    let pid = server.child.id();
+    // Warm up (first allocations), then measure idle.
+    let (status, _) = server.post("/v1/completions", &completion("Hi", 2));
+    assert_eq!(status, 200);
+    std::thread::sleep(Duration::from_millis(500));
+    let (_, idle_rss) = usage(pid);
+    // Six 2 MiB prompts of "7" (2.1 M tokens each), each client leaving
+    // after 0.3 s.
+    let body = completion(&"7".repeat(2 << 20), 4);
+    let clients: Vec<_> = (0..6)
+        .map(|_| {
+            let body = body.clone();
+            let to = server.addr;
+            std::thread::spawn(move || {
+                let mut s = connect_from("127.0.0.1", to);
+                write!(
+                    s,
+                    "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+                     Content-Length: {}\r\n\r\n{body}",
+                    body.len()
+                )
+                .unwrap();
+                std::thread::sleep(Duration::from_millis(300));
+            })
+        })
+        .collect();
+    for c in clients {
+        c.join().unwrap();
+    }
+    // Within 5 s: idle CPU, resident memory back within 10% of idle, and
+    // each request counted (refused with 400, or 499 if it left first).
+    let start = Instant::now();
+    loop {
+        let (cpu0, _) = usage(pid);
+        std::thread::sleep(Duration::from_millis(500));
+        let (cpu1, rss) = usage(pid);
+        let busy = (cpu1 - cpu0) / 0.5;
+        let counted = responses(&server, "/v1/completions", &[400, 499]);
+        if busy < 0.1 && rss < idle_rss * 1.1 && counted == 6.0 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "after 5 s: {busy:.2} cores busy, {:.0} MB resident (idle {:.0} MB), {counted} of 6 counted",
+            rss / 1e6,
+            idle_rss / 1e6
+        );
+    }
+}
+
+#[test]
+fn max_tokens_over_the_server_limit_is_a_400_naming_the_field() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start(&["--max-tokens-limit", "8"]);
+    let (status, body) = server.post("/v1/completions", &completion("Hi", 9));
+    assert_eq!(status, 400, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["error"]["param"], "max_tokens", "{body}");
+    // A chat request that names none gets the limit.
+    let chat = serde_json::json!({
+        "model": MODEL, "messages": [{"role": "user", "content": "Count to 100."}],
+        "temperature": 0, "ignore_eos": true,
+    })
+    .to_string();
+    let (status, body) = server.post("/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 8, "{body}");
+    // A prompt of more tokens than the context: a 400 naming it.
+    let (status, body) = server.post("/v1/completions", &completion(&"7 ".repeat(9000), 1));
+    assert_eq!(status, 400, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["error"]["param"], "prompt", "{body}");
+    assert_eq!(v["error"]["code"], "context_length_exceeded", "{body}");
+    assert_eq!(responses(&server, "/v1/completions", &[400]), 2.0);
+}

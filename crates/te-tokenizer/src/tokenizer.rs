@@ -716,10 +716,10 @@ impl Tokenizer {
     /// [`Tokenizer::encode`], refusing a text of more than `limit` tokens
     /// (BOS included) without encoding all of it: a text longer than
     /// `limit` times the longest piece (x4, for normalizers that shrink
-    /// text) is refused unread; otherwise prefixes four times longer each
-    /// time, cut before whitespace, are encoded until one has more than
-    /// `limit` tokens (refused) or the whole text is. The work is bounded
-    /// by the limit, not by the text.
+    /// text) is refused unread; otherwise prefixes of `limit` bytes,
+    /// twice that, and so on, cut before whitespace, are encoded until one
+    /// has more than `limit` tokens (refused) or the whole text is. The
+    /// work is bounded by the limit, not by the text.
     ///
     /// Errors: [`TokenizerError::TooLong`]; as [`Tokenizer::encode`].
     pub fn encode_limited(
@@ -744,7 +744,7 @@ impl Tokenizer {
             let per_token = self.max_piece_bytes.saturating_mul(4);
             return Err(too_long(text.len().div_ceil(per_token).max(limit + 1)));
         }
-        let mut cut = limit.saturating_mul(4).max(1024);
+        let mut cut = limit.max(1024);
         loop {
             let end = prefix_end(text, cut);
             let ids = encode(&text[..end])?;
@@ -754,7 +754,7 @@ impl Tokenizer {
             if end == text.len() {
                 return Ok(ids);
             }
-            cut = cut.saturating_mul(4);
+            cut = cut.saturating_mul(2);
         }
     }
 

@@ -12,6 +12,7 @@ use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use te_engine::{Event, FinishReason, Request, RequestError, Usage};
+use te_tokenizer::TokenizerError;
 use tokio::sync::mpsc;
 
 use super::api::{self, Endpoint, GenerationRequest, Input, Prompt};
@@ -23,6 +24,10 @@ use super::state::{unix_now, AppState};
 
 /// Default `max_tokens` of `/v1/completions` (OpenAI's).
 const DEFAULT_COMPLETION_TOKENS: usize = 16;
+
+/// A request body from which on the memory its prompt's tokenizing freed
+/// is returned to the system at once.
+const LARGE_BODY_BYTES: usize = 1 << 20;
 
 /// `POST /v1/completions`.
 pub async fn completions(
@@ -84,13 +89,23 @@ async fn generate(
         )
     })?;
     // The request's slot travels with the tokenizing: a client that
-    // leaves meanwhile does not free it before the work ends.
+    // leaves meanwhile does not free it before the work ends. After a
+    // large prompt the tokenizer's freed memory goes back to the system
+    // (glibc keeps it in the thread's arena otherwise).
+    let large = body.len() >= LARGE_BODY_BYTES;
     let (prepared, in_flight) = {
         let s = s.clone();
         let input = req.input.clone();
-        tokio::task::spawn_blocking(move || (prepare(&s, &input), in_flight))
-            .await
-            .map_err(|e| internal(format!("tokenizing failed: {e}")))?
+        tokio::task::spawn_blocking(move || {
+            let prepared = prepare(&s, &input);
+            drop(input);
+            if large {
+                crate::alloc_policy::release_free_memory();
+            }
+            (prepared, in_flight)
+        })
+        .await
+        .map_err(|e| internal(format!("tokenizing failed: {e}")))?
     };
     let prepared = prepared?;
     let param = req.prompt_param();
@@ -104,6 +119,14 @@ async fn generate(
                  resulted in {n} tokens, which leaves no room for the completion."
             ),
         ));
+    }
+    if let (Some(m), Some(most)) = (req.max_tokens, s.max_tokens_limit) {
+        if m > most {
+            return Err(ApiError::bad_value(
+                "max_tokens",
+                format!("Invalid 'max_tokens': {m} is more than this server's limit of {most} (--max-tokens-limit)."),
+            ));
+        }
     }
     let max_new_tokens = match req.max_tokens {
         Some(m) if m > ctx - n => {
@@ -120,7 +143,7 @@ async fn generate(
         Some(m) => m,
         None => match endpoint {
             Endpoint::Completions => DEFAULT_COMPLETION_TOKENS.min(ctx - n),
-            Endpoint::Chat => ctx - n,
+            Endpoint::Chat => (ctx - n).min(s.max_tokens_limit.unwrap_or(usize::MAX)),
         },
     };
     let request = Request {
@@ -162,17 +185,41 @@ async fn generate(
 }
 
 /// The prompt tokens of `input`.
+///
+/// Encoding stops once the prompt cannot fit the context (one token is
+/// left for the completion).
 fn prepare(s: &AppState, input: &Input) -> Result<Prepared, ApiError> {
     let tokenizer = &s.loaded.tokenizer;
+    let limit = s.context_tokens.saturating_sub(1);
+    let failed = |param: &str, e: TokenizerError| match e {
+        TokenizerError::TooLong { at_least, .. } => ApiError::too_long(
+            param,
+            format!(
+                "This model's maximum context length is {} tokens. However, your {param} \
+                 resulted in at least {at_least} tokens, which leaves no room for the completion.",
+                s.context_tokens
+            ),
+        ),
+        e => ApiError::bad_value(param, e.to_string()),
+    };
     match input {
         Input::Completion { prompt, echo } => {
             let (tokens, text) = match prompt {
                 Prompt::Text(t) => (
                     tokenizer
-                        .encode(t, true)
-                        .map_err(|e| ApiError::bad_value("prompt", e.to_string()))?,
+                        .encode_limited(t, true, limit)
+                        .map_err(|e| failed("prompt", e))?,
                     t.clone(),
                 ),
+                Prompt::Tokens(ids) if ids.len() > limit => {
+                    return Err(failed(
+                        "prompt",
+                        TokenizerError::TooLong {
+                            at_least: ids.len(),
+                            limit,
+                        },
+                    ))
+                }
                 Prompt::Tokens(ids) => {
                     let text = if *echo {
                         tokenizer
@@ -191,8 +238,8 @@ fn prepare(s: &AppState, input: &Input) -> Result<Prepared, ApiError> {
         }
         Input::Chat { messages } => Ok(Prepared {
             tokens: tokenizer
-                .encode_chat(messages)
-                .map_err(|e| ApiError::bad_value("messages", e.to_string()))?,
+                .encode_chat_limited(messages, None, limit)
+                .map_err(|e| failed("messages", e))?,
             echo: None,
         }),
     }

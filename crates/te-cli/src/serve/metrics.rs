@@ -3,7 +3,7 @@
 //!
 //! | metric | kind |
 //! |---|---|
-//! | `te_http_requests_total{endpoint, status}` | counter |
+//! | `te_http_requests_total{endpoint, status}` (499: the client left first) | counter |
 //! | `te_requests_finished_total{reason}` (`stop`, `length`, `abort`) | counter |
 //! | `te_prompt_tokens_total`, `te_generation_tokens_total` | counter |
 //! | `te_requests_in_flight` (generation requests the server holds) | gauge |
@@ -108,6 +108,17 @@ impl Metrics {
     pub fn http_request(&self, endpoint: &str, status: u16) {
         let mut m = self.http.lock().unwrap_or_else(|e| e.into_inner());
         *m.entry((endpoint.to_string(), status)).or_default() += 1;
+    }
+
+    /// A request for `endpoint` (the route) has arrived: its response is
+    /// counted by [`HttpRequest::answered`], or as status 499 (nginx's
+    /// "client closed request") if the client left before it.
+    pub fn http_started(self: &Arc<Self>, endpoint: String) -> HttpRequest {
+        HttpRequest {
+            metrics: self.clone(),
+            endpoint,
+            counted: false,
+        }
     }
 
     /// A generation finished: `reason` is `stop`, `length` or `abort`.
@@ -266,6 +277,29 @@ impl Metrics {
             "Time between consecutive generated tokens of a request.",
         );
         out
+    }
+}
+
+/// A request being answered (see [`Metrics::http_started`]).
+pub struct HttpRequest {
+    metrics: Arc<Metrics>,
+    endpoint: String,
+    counted: bool,
+}
+
+impl HttpRequest {
+    /// Counts the response's `status`.
+    pub fn answered(mut self, status: u16) {
+        self.counted = true;
+        self.metrics.http_request(&self.endpoint, status);
+    }
+}
+
+impl Drop for HttpRequest {
+    fn drop(&mut self) {
+        if !self.counted {
+            self.metrics.http_request(&self.endpoint, 499);
+        }
     }
 }
 

@@ -101,6 +101,11 @@ pub struct Args {
     /// streaming); more get 429.
     #[arg(long, default_value_t = 256)]
     max_concurrent_requests: u64,
+    /// The most `max_tokens` a request may ask for (more: 400); also the
+    /// default of chat requests that name none (else the rest of the
+    /// context).
+    #[arg(long)]
+    max_tokens_limit: Option<usize>,
     /// Seconds in-flight requests may take to finish after SIGINT/SIGTERM
     /// before they are cancelled.
     #[arg(long, default_value_t = 30)]
@@ -122,6 +127,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             args.max_concurrent_requests as usize,
         ),
         ("--kv-cache-tokens", args.kv_cache_tokens.unwrap_or(1)),
+        ("--max-tokens-limit", args.max_tokens_limit.unwrap_or(1)),
     ] {
         if v == 0 {
             bail!("{name} must be at least 1");
@@ -196,6 +202,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         max_concurrent_requests: args.max_concurrent_requests,
         max_body_bytes: args.max_body_bytes,
         body_read_timeout,
+        max_tokens_limit: args.max_tokens_limit,
     };
     let state = Arc::new(AppState::new(
         handle,

@@ -70,14 +70,16 @@ fn static_file(content_type: &'static str, body: &'static str) -> Response {
     ([(header::CONTENT_TYPE, content_type)], body).into_response()
 }
 
-/// Counts each response by route and status.
+/// Counts each response by route and status (499: the client left
+/// before it).
 async fn count(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let route = req
         .extensions()
         .get::<MatchedPath>()
         .map_or_else(|| "other".to_string(), |m| m.as_str().to_string());
+    let counted = s.metrics.http_started(route);
     let response = next.run(req).await;
-    s.metrics.http_request(&route, response.status().as_u16());
+    counted.answered(response.status().as_u16());
     response
 }
 

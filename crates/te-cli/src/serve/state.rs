@@ -29,6 +29,8 @@ pub struct AppState {
     pub max_body_bytes: usize,
     /// `--body-read-timeout-secs`: a request body's deadline from its head.
     pub body_read_timeout: Duration,
+    /// `--max-tokens-limit`: the most `max_tokens` a request may ask for.
+    pub max_tokens_limit: Option<usize>,
     /// The model's context in tokens.
     pub context_tokens: usize,
     /// Becomes true when the shutdown grace period is over: running
@@ -56,6 +58,8 @@ pub struct ServeSettings {
     pub max_body_bytes: usize,
     /// `--body-read-timeout-secs`: a request body's deadline from its head.
     pub body_read_timeout: Duration,
+    /// `--max-tokens-limit`: the most `max_tokens` a request may ask for.
+    pub max_tokens_limit: Option<usize>,
 }
 
 impl AppState {
@@ -73,6 +77,7 @@ impl AppState {
             max_concurrent_requests,
             max_body_bytes,
             body_read_timeout,
+            max_tokens_limit,
         } = settings;
         AppState {
             context_tokens: loaded.model.config.max_position_embeddings,
@@ -85,6 +90,7 @@ impl AppState {
             max_concurrent_requests,
             max_body_bytes,
             body_read_timeout,
+            max_tokens_limit,
             cancel,
             engine_alive,
             shutting_down: AtomicBool::new(false),
