@@ -386,3 +386,86 @@ fn max_tokens_over_the_server_limit_is_a_400_naming_the_field() {
     assert_eq!(v["error"]["code"], "context_length_exceeded", "{body}");
     assert_eq!(responses(&server, "/v1/completions", &[400]), 2.0);
 }
+
+/// `cached_tokens` of a completion of `prompt` sent with `key` (and
+/// `salt`).
+fn cached_tokens(server: &Server, key: Option<&str>, prompt: &str, salt: Option<&str>) -> u64 {
+    let mut body = serde_json::json!({
+        "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+    });
+    if let Some(salt) = salt {
+        body["cache_salt"] = salt.into();
+    }
+    let auth = key.map_or(String::new(), |k| format!("Authorization: Bearer {k}\r\n"));
+    let (status, text) = server.request_from(
+        "127.0.0.1",
+        "POST",
+        "/v1/completions",
+        &format!("Content-Type: application/json\r\n{auth}"),
+        Some(&body.to_string()),
+    );
+    assert_eq!(status, 200, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap()
+}
+
+#[test]
+fn the_prefix_cache_is_no_oracle_across_keys_or_salts() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // A victim's prompt of several 16-token pages.
+    let secret = "The vault PIN of account 4471 is 9031. Never tell anyone the PIN, \
+                  not even the bank's own staff, whatever they claim.";
+    let keys = std::env::temp_dir().join(format!("te-keys-{}", std::process::id()));
+    std::fs::write(&keys, "# two clients\nkey-alice\n\nkey-bob\n").unwrap();
+    // Per-key scope (the default with keys); keys from a file and a
+    // lowercase scheme.
+    let server = Server::start(&["--api-key-file", keys.to_str().unwrap()]);
+    assert_eq!(cached_tokens(&server, Some("key-alice"), secret, None), 0);
+    assert!(
+        cached_tokens(&server, Some("key-alice"), secret, None) >= 16,
+        "the same key shares its own prefix"
+    );
+    assert_eq!(
+        cached_tokens(&server, Some("key-bob"), secret, None),
+        0,
+        "another key sees the first's prefix"
+    );
+    let (status, _) = server.request_from(
+        "127.0.0.1",
+        "GET",
+        "/v1/models",
+        "Authorization: bearer key-bob\r\n",
+        None,
+    );
+    assert_eq!(status, 200, "the scheme is case-insensitive");
+    drop(server);
+    std::fs::remove_file(&keys).unwrap();
+
+    // A shared cache: different salts never share, the same salt does.
+    let server = Server::start(&["--prefix-cache-scope", "shared"]);
+    assert_eq!(cached_tokens(&server, None, secret, Some("alice")), 0);
+    assert_eq!(cached_tokens(&server, None, secret, Some("bob")), 0);
+    assert_eq!(cached_tokens(&server, None, secret, None), 0);
+    assert!(cached_tokens(&server, None, secret, Some("alice")) >= 16);
+    assert!(cached_tokens(&server, None, secret, None) >= 16);
+}
+
+#[test]
+fn empty_api_keys_are_refused() {
+    for (args, env) in [
+        (&["--api-key", ""][..], &[][..]),
+        (&[][..], &[("TE_API_KEY", "")][..]),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_te"))
+            .args(["serve", "--model", MODEL, "--port", "0"])
+            .args(args)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("API key") && err.contains("empty"), "{err}");
+    }
+}

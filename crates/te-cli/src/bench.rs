@@ -251,6 +251,7 @@ fn request(prompt: Vec<u32>, max_new_tokens: usize) -> Request {
         ignore_eos: true,
         stop: Vec::new(),
         skip_special_tokens: true,
+        cache_salt: None,
     }
 }
 

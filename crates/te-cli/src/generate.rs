@@ -293,6 +293,7 @@ impl Job<'_> {
                     ignore_eos: args.ignore_eos,
                     stop: args.stop.clone(),
                     skip_special_tokens: !args.json,
+                    cache_salt: None,
                 })
                 .with_context(|| format!("prompt {i}"))?;
             // Ids are handed out in order from 0.

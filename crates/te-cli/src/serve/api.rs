@@ -57,6 +57,9 @@ pub struct GenerationRequest {
     pub include_usage: bool,
     pub ignore_eos: bool,
     pub return_token_ids: bool,
+    /// vLLM's `cache_salt`: the prompt shares cached pages only with
+    /// requests of the same salt.
+    pub cache_salt: Option<String>,
 }
 
 impl GenerationRequest {
@@ -308,6 +311,17 @@ pub fn parse(
         include_usage,
         ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
         return_token_ids: f.bool("return_token_ids")?.unwrap_or(false),
+        cache_salt: match f.get("cache_salt") {
+            None => None,
+            Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+            Some(Value::String(_)) => {
+                return Err(ApiError::bad_value(
+                    "cache_salt",
+                    "Invalid 'cache_salt': an empty string.",
+                ))
+            }
+            Some(v) => return Err(ApiError::wrong_type("cache_salt", "a string", v)),
+        },
     })
 }
 

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
-use axum::extract::State;
+use axum::extract::{Extension, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use te_engine::{Event, FinishReason, Request, RequestError, Usage};
@@ -20,7 +20,7 @@ use super::bridge::{self, Generation, SubmitError};
 use super::error::ApiError;
 use super::metrics::{InFlight, Metrics};
 use super::response::{self, Delta, Meta, TokenIds};
-use super::state::{unix_now, AppState};
+use super::state::{unix_now, AppState, ClientKey};
 
 /// Default `max_tokens` of `/v1/completions` (OpenAI's).
 const DEFAULT_COMPLETION_TOKENS: usize = 16;
@@ -32,9 +32,10 @@ const LARGE_BODY_BYTES: usize = 1 << 20;
 /// `POST /v1/completions`.
 pub async fn completions(
     State(s): State<Arc<AppState>>,
+    key: Option<Extension<ClientKey>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    generate(s, Endpoint::Completions, body)
+    generate(s, Endpoint::Completions, key.map(|k| k.0), body)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
@@ -42,9 +43,10 @@ pub async fn completions(
 /// `POST /v1/chat/completions`.
 pub async fn chat_completions(
     State(s): State<Arc<AppState>>,
+    key: Option<Extension<ClientKey>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    generate(s, Endpoint::Chat, body)
+    generate(s, Endpoint::Chat, key.map(|k| k.0), body)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
@@ -59,6 +61,7 @@ struct Prepared {
 async fn generate(
     s: Arc<AppState>,
     endpoint: Endpoint,
+    key: Option<ClientKey>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
@@ -153,6 +156,7 @@ async fn generate(
         ignore_eos: req.ignore_eos,
         stop: req.stop.clone(),
         skip_special_tokens: true,
+        cache_salt: s.cache_salt(key, req.cache_salt.as_deref()),
     };
     let generation = bridge::submit(&s.handle, request)
         .await

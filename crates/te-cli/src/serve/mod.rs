@@ -72,9 +72,21 @@ pub struct Args {
     #[arg(long)]
     no_prefix_caching: bool,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health
-    /// and the chat page's files.
+    /// and the chat page's files (repeat for several keys; visible to
+    /// other local users in the process list: prefer --api-key-file or
+    /// TE_API_KEY).
     #[arg(long)]
-    api_key: Option<String>,
+    api_key: Vec<String>,
+    /// A file of API keys, one a line (blank lines and `#` comments
+    /// skipped); the environment variable TE_API_KEY adds one more.
+    #[arg(long)]
+    api_key_file: Option<std::path::PathBuf>,
+    /// Who shares cached prompt prefixes: `per-key` (each API key's
+    /// requests among themselves; the default with API keys) or `shared`
+    /// (the default without). Requests that give different `cache_salt`s
+    /// never share.
+    #[arg(long, value_enum)]
+    prefix_cache_scope: Option<state::PrefixCacheScope>,
     /// Largest request body in bytes (larger: 413).
     #[arg(long, default_value_t = 2 * 1024 * 1024)]
     max_body_bytes: usize,
@@ -136,6 +148,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let header_read_timeout = seconds("--header-read-timeout-secs", args.header_read_timeout_secs)?;
     let body_read_timeout = seconds("--body-read-timeout-secs", args.body_read_timeout_secs)?;
     let write_timeout = seconds("--write-timeout-secs", args.write_timeout_secs)?;
+    let api_keys = api_keys(&args)?;
+    let prefix_cache_scope = args.prefix_cache_scope.unwrap_or(if api_keys.is_empty() {
+        state::PrefixCacheScope::Shared
+    } else {
+        state::PrefixCacheScope::PerKey
+    });
     // Bind before loading the model: a taken port fails at once.
     let tcp = std::net::TcpListener::bind((args.host.as_str(), args.port))
         .with_context(|| format!("binding {}:{}", args.host, args.port))?;
@@ -198,7 +216,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .served_model_name
             .clone()
             .unwrap_or_else(|| args.model.clone()),
-        api_key: args.api_key.clone(),
+        api_keys,
+        prefix_cache_scope,
         max_concurrent_requests: args.max_concurrent_requests,
         max_body_bytes: args.max_body_bytes,
         body_read_timeout,
@@ -228,6 +247,43 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     eprintln!("shut down");
     Ok(())
+}
+
+/// The API keys of `--api-key`, `--api-key-file` and `TE_API_KEY`.
+///
+/// Errors: an unreadable file, an empty key (or one with whitespace or
+/// control characters, which no `Authorization` header carries).
+fn api_keys(args: &Args) -> anyhow::Result<Vec<String>> {
+    let mut keys: Vec<(String, String)> = args
+        .api_key
+        .iter()
+        .map(|k| (k.clone(), "--api-key".to_string()))
+        .collect();
+    if let Some(path) = &args.api_key_file {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading --api-key-file {}", path.display()))?;
+        for (i, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if !line.is_empty() && !line.starts_with('#') {
+                keys.push((
+                    line.to_string(),
+                    format!("{} line {}", path.display(), i + 1),
+                ));
+            }
+        }
+    }
+    if let Some(k) = std::env::var_os("TE_API_KEY") {
+        let k = k
+            .into_string()
+            .map_err(|_| anyhow::anyhow!("TE_API_KEY is not UTF-8"))?;
+        keys.push((k, "TE_API_KEY".to_string()));
+    }
+    for (key, from) in &keys {
+        if key.is_empty() || key.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            bail!("the API key of {from} is empty or holds whitespace or control characters");
+        }
+    }
+    Ok(keys.into_iter().map(|(k, _)| k).collect())
 }
 
 /// A positive, finite number of seconds from flag `name`.
