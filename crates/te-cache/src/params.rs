@@ -12,7 +12,7 @@ use te_kernels::{
 
 use crate::error::CacheError;
 use crate::pool::PagePool;
-use crate::prefix::{page_key, PrefixIndex};
+use crate::prefix::{page_key, root_key, PrefixIndex};
 use crate::storage::{HostKvStorage, KvStorage};
 
 /// How a layer's keys and values are laid out in memory.
@@ -81,7 +81,7 @@ struct Sequence {
     /// Leading pages of the prefix pool whose prefix keys are known
     /// (registered by this sequence or shared from the index).
     keyed_pages: usize,
-    /// Prefix key of the last of those pages (0 if none).
+    /// Prefix key of the last of those pages (the salt's root key if none).
     last_key: u128,
 }
 
@@ -780,6 +780,21 @@ impl<S: KvStorage> InferenceParams<S> {
         tokens: &[u32],
         max_tokens: usize,
     ) -> Result<usize, CacheError> {
+        self.attach_salted_prefix(seq_id, tokens, max_tokens, None)
+    }
+
+    /// [`InferenceParams::attach_prefix`] for a sequence with `salt`: it
+    /// shares pages only with sequences of the same salt (`None` is a salt
+    /// of its own); see [`crate::prefix`].
+    ///
+    /// Errors: as [`InferenceParams::attach_prefix`].
+    pub fn attach_salted_prefix(
+        &mut self,
+        seq_id: u64,
+        tokens: &[u32],
+        max_tokens: usize,
+        salt: Option<&[u8]>,
+    ) -> Result<usize, CacheError> {
         if self.sequences.contains_key(&seq_id) {
             return Err(CacheError::DuplicateSequence { seq_id });
         }
@@ -791,18 +806,19 @@ impl<S: KvStorage> InferenceParams<S> {
             });
         }
         let num_pools = self.pools.len();
+        let root = root_key(salt);
         let mut seq = Sequence {
             cached: 0,
             pages: vec![Vec::new(); num_pools],
             keyed_pages: 0,
-            last_key: 0,
+            last_key: root,
         };
         if let Some(ix) = &self.prefix {
             let pool = &mut self.pools[0];
             let ps = pool.page_size;
             let limit = max_tokens.min(tokens.len()).min(self.max_seqlen);
             let candidates = (tokens.len() / ps).min(limit.div_ceil(ps));
-            let mut key = 0u128;
+            let mut key = root;
             for page_tokens in tokens.chunks_exact(ps).take(candidates) {
                 key = page_key(key, page_tokens);
                 let Some(page) = ix.get(key) else { break };
@@ -930,11 +946,13 @@ impl<S: KvStorage> InferenceParams<S> {
 
         // Validated: commit.
         let source = source.clone();
+        // The copy's pages hold the same prefix under the same keys (its
+        // salt's chain): registering continues after them.
         let mut copy = Sequence {
             cached: source.cached,
             pages: Vec::with_capacity(self.pools.len()),
-            keyed_pages: 0,
-            last_key: 0,
+            keyed_pages: source.keyed_pages,
+            last_key: source.last_key,
         };
         for pool in self.pools.iter_mut() {
             let mut pages = Vec::new();

@@ -252,6 +252,7 @@ fn request(prompt: Vec<u32>, max_new_tokens: usize) -> Request {
         stop: Vec::new(),
         skip_special_tokens: true,
         constraint: None,
+        cache_salt: None,
     }
 }
 

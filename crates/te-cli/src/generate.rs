@@ -295,6 +295,7 @@ impl Job<'_> {
                     stop: args.stop.clone(),
                     skip_special_tokens: !args.json,
                     constraint: None,
+                    cache_salt: None,
                 })
                 .with_context(|| format!("prompt {i}"))?;
             // Ids are handed out in order from 0.

@@ -446,7 +446,8 @@ impl<'a> Engine<'a> {
                 request.stop,
             ),
         };
-        let seq = SeqState::new(id, request.prompt_tokens, gen);
+        let mut seq = SeqState::new(id, request.prompt_tokens, gen);
+        seq.cache_salt = request.cache_salt;
         if seq.data.max_new_tokens == 0 {
             self.pending
                 .push(finished(&seq, FinishReason::Length, String::new()));

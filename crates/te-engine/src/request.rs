@@ -26,11 +26,16 @@ pub struct Request {
     /// The grammar the generated tokens must follow (structured outputs,
     /// tool calls), if any ([`crate::constraint`]).
     pub constraint: Option<TokenConstraint>,
+    /// Prefix-cache salt: the request shares cached prompt pages only with
+    /// requests of the same salt (`None` is a salt of its own). A server
+    /// gives each client (API key, or the request's `cache_salt`) its own,
+    /// so one cannot probe what another's prompts were.
+    pub cache_salt: Option<Vec<u8>>,
 }
 
 impl Request {
     /// A greedy request for `max_new_tokens` after `prompt_tokens`, no stop
-    /// strings, special tokens left out of the text.
+    /// strings, special tokens left out of the text, no cache salt.
     pub fn new(prompt_tokens: Vec<u32>, max_new_tokens: usize) -> Self {
         Request {
             prompt_tokens,
@@ -40,6 +45,7 @@ impl Request {
             stop: Vec::new(),
             skip_special_tokens: true,
             constraint: None,
+            cache_salt: None,
         }
     }
 }

@@ -43,6 +43,8 @@ pub struct SeqState<T> {
     pub cached_prompt_tokens: usize,
     /// The caller's state of this sequence (sampler, text, limits).
     pub data: T,
+    /// Prefix-cache salt (see `Request::cache_salt`).
+    pub cache_salt: Option<Vec<u8>>,
     /// Admission order (preemption takes the latest).
     admitted: u64,
     /// Entered the cache since its (latest) admission.
@@ -61,6 +63,7 @@ impl<T> SeqState<T> {
             fed: 0,
             cached_prompt_tokens: 0,
             data,
+            cache_salt: None,
             admitted: 0,
             started: false,
             was_admitted: false,
@@ -433,7 +436,12 @@ impl<S: KvStorage, T> Scheduler<S, T> {
             }
             let hit = if sharing {
                 self.cache
-                    .attach_prefix(seq.id, &seq.tokens, seq.tokens.len() - 1)
+                    .attach_salted_prefix(
+                        seq.id,
+                        &seq.tokens,
+                        seq.tokens.len() - 1,
+                        seq.cache_salt.as_deref(),
+                    )
                     .expect("an admitted sequence is not yet in the cache")
             } else {
                 0

@@ -137,6 +137,7 @@ impl From<te_tokenizer::TokenizerError> for ModelError {
             T::Config { field, reason } => ModelError::Config { field, reason },
             T::Tokenizer(reason) => ModelError::Tokenizer(reason),
             T::Input(reason) => ModelError::Input(reason),
+            e @ T::TooLong { .. } => ModelError::Input(e.to_string()),
         }
     }
 }

@@ -28,6 +28,15 @@ pub enum TokenizerError {
     /// without a chat template, a message of an unknown role, ...).
     #[error("{0}")]
     Input(String),
+    /// The text has more tokens than the caller allows; encoding stopped
+    /// once that was certain.
+    #[error("the text has at least {at_least} tokens, more than the {limit} allowed")]
+    TooLong {
+        /// A lower bound of the text's token count (> `limit`).
+        at_least: usize,
+        /// The caller's limit.
+        limit: usize,
+    },
 }
 
 /// A GGUF metadata read for the vocabulary, as the field or file it named.

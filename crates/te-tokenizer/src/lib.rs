@@ -4,7 +4,8 @@
 //! tokenizer for random-weight models; incremental detokenization
 //! ([`DecodeStream`]: UTF-8-complete text deltas); chat templates
 //! ([`chat`], Jinja through `minijinja`, rendered as Hugging Face does,
-//! tools and tool calls included).
+//! tools and tool calls included; [`content`]: message content encoded as
+//! text, never as control tokens).
 //!
 //! Main types: [`Tokenizer`], [`DecodeStream`], [`chat::ChatMessage`],
 //! [`chat::ChatTemplateArgs`].
@@ -13,6 +14,7 @@
 //! field or input at fault.
 
 pub mod chat;
+pub mod content;
 pub mod error;
 pub mod tokenizer;
 

@@ -241,6 +241,23 @@ fn added_token_kind(token_type: i32, control: bool, text: &str) -> AddedKind {
     }
 }
 
+/// The end of the prefix of `text` of about `cut` bytes: the whole text
+/// if it is no longer, else the last whitespace at or before `cut` (a
+/// pre-token boundary; the last character boundary if there is none).
+fn prefix_end(text: &str, cut: usize) -> usize {
+    if cut >= text.len() {
+        return text.len();
+    }
+    let mut end = cut;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    match text[..end].rfind(char::is_whitespace) {
+        Some(i) if i > 0 => i,
+        _ => end,
+    }
+}
+
 fn tok_err(e: impl std::fmt::Display) -> TokenizerError {
     TokenizerError::Tokenizer(e.to_string())
 }
@@ -269,6 +286,11 @@ pub struct Tokenizer {
     /// The texts chat templates get as `bos_token` and `eos_token`.
     chat_bos: String,
     chat_eos: String,
+    /// The longest piece of the vocabulary, in UTF-8 bytes: no token
+    /// stands for more bytes of text (a bound for [`Tokenizer::encode_limited`]).
+    max_piece_bytes: usize,
+    /// Finds special tokens' texts (for [`crate::content`]).
+    specials: crate::content::SpecialTexts,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -624,9 +646,18 @@ impl Tokenizer {
         eos_ids: Vec<u32>,
     ) -> Tokenizer {
         let vocab = inner.get_vocab(true);
+        let specials = crate::content::SpecialTexts::new(
+            inner
+                .get_added_tokens_decoder()
+                .into_iter()
+                .filter(|(_, t)| t.special)
+                .map(|(id, t)| (t.content, id)),
+        );
         let mut t = Tokenizer {
             vocab_size: vocab.len(),
             max_token_id: vocab.values().copied().max(),
+            max_piece_bytes: vocab.keys().map(String::len).max().unwrap_or(1).max(1),
+            specials,
             parse_special: inner,
             plain: std::sync::OnceLock::new(),
             kind,
@@ -667,14 +698,64 @@ impl Tokenizer {
         let inner = if parse_special {
             &self.parse_special
         } else {
-            self.plain.get_or_init(|| {
-                let mut plain = self.parse_special.clone();
-                plain.set_encode_special_tokens(true);
-                plain
-            })
+            self.plain()
         };
         let encoding = inner.encode_fast(text, true).map_err(tok_err)?;
         Ok(encoding.get_ids().to_vec())
+    }
+
+    /// The tokenizer that reads special-token text as plain text.
+    fn plain(&self) -> &tokenizers::Tokenizer {
+        self.plain.get_or_init(|| {
+            let mut plain = self.parse_special.clone();
+            plain.set_encode_special_tokens(true);
+            plain
+        })
+    }
+
+    /// [`Tokenizer::encode`], refusing a text of more than `limit` tokens
+    /// (BOS included) without encoding all of it: a text longer than
+    /// `limit` times the longest piece (x4, for normalizers that shrink
+    /// text) is refused unread; otherwise prefixes of `limit` bytes,
+    /// twice that, and so on, cut before whitespace, are encoded until one
+    /// has more than `limit` tokens (refused) or the whole text is. The
+    /// work is bounded by the limit, not by the text.
+    ///
+    /// Errors: [`TokenizerError::TooLong`]; as [`Tokenizer::encode`].
+    pub fn encode_limited(
+        &self,
+        text: &str,
+        parse_special: bool,
+        limit: usize,
+    ) -> Result<Vec<u32>> {
+        self.limited(text, limit, |t| self.encode(t, parse_special))
+    }
+
+    /// Runs `encode` on prefixes of `text` (see [`Tokenizer::encode_limited`]).
+    pub(crate) fn limited(
+        &self,
+        text: &str,
+        limit: usize,
+        encode: impl Fn(&str) -> Result<Vec<u32>>,
+    ) -> Result<Vec<u32>> {
+        let too_long = |at_least| TokenizerError::TooLong { at_least, limit };
+        let most_bytes = limit.saturating_mul(self.max_piece_bytes).saturating_mul(4);
+        if text.len() > most_bytes {
+            let per_token = self.max_piece_bytes.saturating_mul(4);
+            return Err(too_long(text.len().div_ceil(per_token).max(limit + 1)));
+        }
+        let mut cut = limit.max(1024);
+        loop {
+            let end = prefix_end(text, cut);
+            let ids = encode(&text[..end])?;
+            if ids.len() > limit {
+                return Err(too_long(ids.len()));
+            }
+            if end == text.len() {
+                return Ok(ids);
+            }
+            cut = cut.saturating_mul(2);
+        }
     }
 
     /// Renders `messages` with the model's chat template
@@ -716,32 +797,84 @@ impl Tokenizer {
         Ok(text)
     }
 
-    /// [`Tokenizer::render_chat`] without tools, encoded with special
-    /// tokens parsed; BOS only where the template writes it (Hugging Face
-    /// `apply_chat_template` with `tokenize=True`).
+    /// [`Tokenizer::render_chat`] without tools, encoded with the
+    /// template's special tokens parsed and the messages' content as text
+    /// ([`crate::content`]); BOS only where the template writes it
+    /// (Hugging Face `apply_chat_template` with `tokenize=True`).
     ///
-    /// Errors: as [`Tokenizer::render_chat`]; [`TokenizerError::Tokenizer`]
-    /// when encoding fails.
+    /// Errors: as [`Tokenizer::encode_chat_limited`].
     pub fn encode_chat(&self, messages: &[crate::chat::ChatMessage]) -> Result<Vec<u32>> {
         self.encode_chat_with_tools(messages, None)
     }
 
-    /// [`Tokenizer::render_chat`] encoded with special tokens parsed; BOS
-    /// only where the template writes it.
+    /// [`Tokenizer::encode_chat`] with `tools`.
     ///
-    /// Errors: as [`Tokenizer::render_chat`]; [`TokenizerError::Tokenizer`]
-    /// when encoding fails.
+    /// Errors: as [`Tokenizer::encode_chat_limited`].
     pub fn encode_chat_with_tools(
         &self,
         messages: &[crate::chat::ChatMessage],
         tools: Option<&[serde_json::Value]>,
     ) -> Result<Vec<u32>> {
+        self.encode_chat_limited(messages, tools, usize::MAX)
+    }
+
+    /// [`Tokenizer::encode_chat_with_tools`], refusing a prompt of more
+    /// than `limit` tokens without encoding all of it (as
+    /// [`Tokenizer::encode_limited`]).
+    ///
+    /// Errors: as [`Tokenizer::render_chat`]; [`TokenizerError::TooLong`];
+    /// [`TokenizerError::Input`] when content holding special-token text
+    /// meets a template that rewrites content ([`crate::content`]);
+    /// [`TokenizerError::Tokenizer`] when encoding fails.
+    pub fn encode_chat_limited(
+        &self,
+        messages: &[crate::chat::ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+        limit: usize,
+    ) -> Result<Vec<u32>> {
         let text = self.render_chat(messages, tools)?;
-        let encoding = self
-            .parse_special
-            .encode_fast(text, false)
-            .map_err(tok_err)?;
-        Ok(encoding.get_ids().to_vec())
+        let forged = messages.iter().any(|m| {
+            m.content
+                .as_deref()
+                .is_some_and(|c| self.specials.any_in(c))
+        });
+        if !forged {
+            return self.limited(&text, limit, |t| {
+                let encoding = self.parse_special.encode_fast(t, false).map_err(tok_err)?;
+                Ok(encoding.get_ids().to_vec())
+            });
+        }
+        let skeleton = self.render_chat(&crate::content::with_placeholders(messages), tools)?;
+        let pieces = crate::content::pieces(&text, &skeleton, messages, &self.specials)?;
+        let mut ids = Vec::new();
+        for piece in pieces {
+            let left = limit.saturating_sub(ids.len());
+            match piece {
+                crate::content::Piece::Special(id) if left > 0 => ids.push(id),
+                crate::content::Piece::Special(_) => {
+                    return Err(TokenizerError::TooLong {
+                        at_least: ids.len() + 1,
+                        limit,
+                    })
+                }
+                crate::content::Piece::Text(t) => {
+                    let part = self
+                        .limited(&t, left, |t| {
+                            let encoding = self.plain().encode_fast(t, false).map_err(tok_err)?;
+                            Ok(encoding.get_ids().to_vec())
+                        })
+                        .map_err(|e| match e {
+                            TokenizerError::TooLong { at_least, .. } => TokenizerError::TooLong {
+                                at_least: ids.len() + at_least,
+                                limit,
+                            },
+                            e => e,
+                        })?;
+                    ids.extend(part);
+                }
+            }
+        }
+        Ok(ids)
     }
 
     /// Whether the model has a chat template that reads `tools`

@@ -65,6 +65,9 @@ pub struct GenerationRequest {
     pub n: usize,
     /// `response_format`: JSON output by constrained decoding.
     pub response_format: Option<ResponseFormat>,
+    /// vLLM's `cache_salt`: the prompt shares cached pages only with
+    /// requests of the same salt.
+    pub cache_salt: Option<String>,
 }
 
 /// A `response_format` other than text.
@@ -333,6 +336,17 @@ pub fn parse(
         return_token_ids: f.bool("return_token_ids")?.unwrap_or(false),
         n: n as usize,
         response_format: parse_response_format(f.get("response_format"))?,
+        cache_salt: match f.get("cache_salt") {
+            None => None,
+            Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+            Some(Value::String(_)) => {
+                return Err(ApiError::bad_value(
+                    "cache_salt",
+                    "Invalid 'cache_salt': an empty string.",
+                ))
+            }
+            Some(v) => return Err(ApiError::wrong_type("cache_salt", "a string", v)),
+        },
     })
 }
 

@@ -18,12 +18,13 @@ use std::time::Instant;
 
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
-use axum::extract::State;
+use axum::extract::{Extension, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use te_engine::constraint::TokenConstraint;
 use te_engine::sampling::SamplingParams;
 use te_engine::{Event, FinishReason, Request, RequestError, Usage};
+use te_tokenizer::TokenizerError;
 use tokio::sync::mpsc;
 
 use super::api::{self, Endpoint, GenerationRequest, Input, Prompt, ResponseFormat};
@@ -31,17 +32,22 @@ use super::bridge::{self, Generation, SubmitError};
 use super::error::ApiError;
 use super::metrics::{InFlight, Metrics};
 use super::response::{self, ChoiceOut, Delta, LogprobEntry, Meta, TokenIds};
-use super::state::{unix_now, AppState};
+use super::state::{unix_now, AppState, ClientKey};
 
 /// Default `max_tokens` of `/v1/completions` (OpenAI's).
 const DEFAULT_COMPLETION_TOKENS: usize = 16;
 
+/// A request body from which on the memory its prompt's tokenizing freed
+/// is returned to the system at once.
+const LARGE_BODY_BYTES: usize = 1 << 20;
+
 /// `POST /v1/completions`.
 pub async fn completions(
     State(s): State<Arc<AppState>>,
+    key: Option<Extension<ClientKey>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    generate(s, Endpoint::Completions, body)
+    generate(s, Endpoint::Completions, key.map(|k| k.0), body)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
@@ -49,9 +55,10 @@ pub async fn completions(
 /// `POST /v1/chat/completions`.
 pub async fn chat_completions(
     State(s): State<Arc<AppState>>,
+    key: Option<Extension<ClientKey>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    generate(s, Endpoint::Chat, body)
+    generate(s, Endpoint::Chat, key.map(|k| k.0), body)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
@@ -66,6 +73,7 @@ struct Prepared {
 async fn generate(
     s: Arc<AppState>,
     endpoint: Endpoint,
+    key: Option<ClientKey>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
@@ -95,13 +103,26 @@ async fn generate(
             ),
         )
     })?;
-    let prepared = {
+    // The request's slot travels with the tokenizing: a client that
+    // leaves meanwhile does not free it before the work ends. After a
+    // large prompt the tokenizer's freed memory goes back to the system
+    // (glibc keeps it in the thread's arena otherwise).
+    let large = body.len() >= LARGE_BODY_BYTES;
+    let (prepared, in_flight) = {
         let s = s.clone();
         let input = req.input.clone();
-        tokio::task::spawn_blocking(move || prepare(&s, &input))
-            .await
-            .map_err(|e| internal(format!("tokenizing failed: {e}")))??
+        tokio::task::spawn_blocking(move || {
+            let prepared = prepare(&s, &input);
+            drop(input);
+            if large {
+                crate::alloc_policy::release_free_memory();
+            }
+            (prepared, in_flight)
+        })
+        .await
+        .map_err(|e| internal(format!("tokenizing failed: {e}")))?
     };
+    let prepared = prepared?;
     let param = req.prompt_param();
     let n = prepared.tokens.len();
     let ctx = s.context_tokens;
@@ -113,6 +134,14 @@ async fn generate(
                  resulted in {n} tokens, which leaves no room for the completion."
             ),
         ));
+    }
+    if let (Some(m), Some(most)) = (req.max_tokens, s.max_tokens_limit) {
+        if m > most {
+            return Err(ApiError::bad_value(
+                "max_tokens",
+                format!("Invalid 'max_tokens': {m} is more than this server's limit of {most} (--max-tokens-limit)."),
+            ));
+        }
     }
     let max_new_tokens = match req.max_tokens {
         Some(m) if m > ctx - n => {
@@ -129,7 +158,7 @@ async fn generate(
         Some(m) => m,
         None => match endpoint {
             Endpoint::Completions => DEFAULT_COMPLETION_TOKENS.min(ctx - n),
-            Endpoint::Chat => ctx - n,
+            Endpoint::Chat => (ctx - n).min(s.max_tokens_limit.unwrap_or(usize::MAX)),
         },
     };
     let vocab = s.loaded.model.config.vocab_size;
@@ -157,6 +186,7 @@ async fn generate(
             )
         }
     };
+    let cache_salt = s.cache_salt(key, req.cache_salt.as_deref());
     let mut choices = Vec::with_capacity(req.n);
     for i in 0..req.n {
         let request = Request {
@@ -170,6 +200,7 @@ async fn generate(
             stop: req.stop.clone(),
             skip_special_tokens: true,
             constraint: constraint.clone(),
+            cache_salt: cache_salt.clone(),
         };
         let generation = bridge::submit(&s.handle, request)
             .await
@@ -236,17 +267,41 @@ fn response_constraint(s: &AppState, format: ResponseFormat) -> Result<TokenCons
 }
 
 /// The prompt tokens of `input`.
+///
+/// Encoding stops once the prompt cannot fit the context (one token is
+/// left for the completion).
 fn prepare(s: &AppState, input: &Input) -> Result<Prepared, ApiError> {
     let tokenizer = &s.loaded.tokenizer;
+    let limit = s.context_tokens.saturating_sub(1);
+    let failed = |param: &str, e: TokenizerError| match e {
+        TokenizerError::TooLong { at_least, .. } => ApiError::too_long(
+            param,
+            format!(
+                "This model's maximum context length is {} tokens. However, your {param} \
+                 resulted in at least {at_least} tokens, which leaves no room for the completion.",
+                s.context_tokens
+            ),
+        ),
+        e => ApiError::bad_value(param, e.to_string()),
+    };
     match input {
         Input::Completion { prompt, echo } => {
             let (tokens, text) = match prompt {
                 Prompt::Text(t) => (
                     tokenizer
-                        .encode(t, true)
-                        .map_err(|e| ApiError::bad_value("prompt", e.to_string()))?,
+                        .encode_limited(t, true, limit)
+                        .map_err(|e| failed("prompt", e))?,
                     t.clone(),
                 ),
+                Prompt::Tokens(ids) if ids.len() > limit => {
+                    return Err(failed(
+                        "prompt",
+                        TokenizerError::TooLong {
+                            at_least: ids.len(),
+                            limit,
+                        },
+                    ))
+                }
                 Prompt::Tokens(ids) => {
                     let text = if *echo {
                         tokenizer
@@ -265,8 +320,8 @@ fn prepare(s: &AppState, input: &Input) -> Result<Prepared, ApiError> {
         }
         Input::Chat { messages } => Ok(Prepared {
             tokens: tokenizer
-                .encode_chat(messages)
-                .map_err(|e| ApiError::bad_value("messages", e.to_string()))?,
+                .encode_chat_limited(messages, None, limit)
+                .map_err(|e| failed("messages", e))?,
             echo: None,
         }),
     }

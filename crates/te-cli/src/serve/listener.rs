@@ -1,91 +1,276 @@
-//! The TCP listener with a cap on open connections: a connection is only
-//! accepted while fewer than the cap are open; the rest wait in the
-//! kernel's backlog. Every connection has `TCP_NODELAY` set, so each
-//! streamed token leaves at once.
+//! Connections below axum: the accept loop and each connection's HTTP/1
+//! driver (hyper), with the limits that keep slow, idle and half-open
+//! clients from holding the server:
+//!
+//! - at most `max_connections` open (more wait in the kernel's backlog)
+//!   and at most `max_per_client` from one IP address (more are closed at
+//!   once);
+//! - a connection must deliver a whole request head within
+//!   `header_read_timeout` of being ready for one: after it opens, and
+//!   after each response, so this is the idle keep-alive timeout too
+//!   (hyper's header-read timer);
+//! - a write that makes no progress for `write_timeout` (a client that
+//!   stopped reading) ends the connection;
+//! - a peer that closed its side ends the connection, and so drops the
+//!   request in flight (aborting its generation), even when it had sent
+//!   bytes after its request that hyper has not read (hyper alone sees
+//!   the end of the stream only with an empty read buffer).
+//!
+//! The request body's own deadline is [`super::guard`]'s. Every
+//! connection has `TCP_NODELAY` set, so each streamed token leaves at once.
 
+use std::collections::HashMap;
+use std::future::Future;
 use std::io;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::sync::{Arc, Mutex};
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use axum::Router;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::time::Sleep;
 
-/// A [`TcpListener`] that holds at most `max` connections open.
-pub struct LimitedListener {
-    inner: TcpListener,
-    slots: Arc<Semaphore>,
+use super::metrics::Metrics;
+
+/// How often a connection with a request in flight checks whether its
+/// peer closed.
+const PEER_CHECK: Duration = Duration::from_millis(200);
+
+/// The connection limits (`te serve` flags).
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// `--max-connections`: open connections at once (>= 1).
+    pub max_connections: usize,
+    /// `--max-connections-per-client`: open connections from one IP
+    /// address (>= 1).
+    pub max_per_client: usize,
+    /// `--header-read-timeout-secs`: time to deliver a request head once
+    /// the connection waits for one (also the idle keep-alive timeout).
+    pub header_read_timeout: Duration,
+    /// `--write-timeout-secs`: longest a response write may make no
+    /// progress.
+    pub write_timeout: Duration,
 }
 
-impl LimitedListener {
-    /// `max` >= 1.
-    pub fn new(inner: TcpListener, max: usize) -> Self {
-        LimitedListener {
-            inner,
-            slots: Arc::new(Semaphore::new(max)),
-        }
-    }
-}
-
-/// An accepted connection; its slot frees when it is dropped.
-pub struct Connection {
-    stream: TcpStream,
-    _slot: OwnedSemaphorePermit,
-}
-
-impl axum::serve::Listener for LimitedListener {
-    type Io = Connection;
-    type Addr = std::net::SocketAddr;
-
-    async fn accept(&mut self) -> (Connection, std::net::SocketAddr) {
-        let slot = self
-            .slots
-            .clone()
-            .acquire_owned()
-            .await
-            .expect("the semaphore is never closed");
-        loop {
-            match self.inner.accept().await {
-                Ok((stream, addr)) => {
-                    let _ = stream.set_nodelay(true);
-                    return (
-                        Connection {
-                            stream,
-                            _slot: slot,
-                        },
-                        addr,
-                    );
-                }
-                Err(e) => {
-                    // A peer that gave up before we accepted is no error;
-                    // anything else (out of file descriptors) is retried
-                    // after a pause.
-                    if !matches!(
-                        e.kind(),
-                        io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset
-                    ) {
-                        eprintln!("accept failed: {e}");
-                        tokio::time::sleep(Duration::from_millis(200)).await;
+/// Serves `router` on `tcp` until `shutdown` resolves; then stops
+/// accepting, asks every connection to close after its response in
+/// progress, and resolves once all have closed.
+pub async fn serve(
+    tcp: TcpListener,
+    router: Router,
+    limits: Limits,
+    metrics: Arc<Metrics>,
+    shutdown: impl Future<Output = ()>,
+) {
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let clients = Arc::new(Mutex::new(HashMap::new()));
+    // Each connection holds a receiver; `closed()` waits for them all.
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            a = accept(&tcp, &slots) => a,
+            () = &mut shutdown => break,
+        };
+        let (stream, addr, slot) = accepted;
+        let Some(per_client) = ClientSlot::take(&clients, addr.ip(), limits.max_per_client) else {
+            metrics.connection_refused();
+            tracing::debug!(%addr, "connection refused: --max-connections-per-client reached");
+            continue; // dropping the stream closes it
+        };
+        let stream = Arc::new(stream);
+        let io = Connection {
+            stream: stream.clone(),
+            write_timeout: limits.write_timeout,
+            write_stalled: None,
+            _slot: slot,
+            _per_client: per_client,
+        };
+        let conn = http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(limits.header_read_timeout)
+            .serve_connection(TokioIo::new(io), TowerToHyperService::new(router.clone()));
+        let mut stop = stop_rx.clone();
+        tokio::spawn(async move {
+            tokio::pin!(conn);
+            let mut stopping = *stop.borrow();
+            if stopping {
+                conn.as_mut().graceful_shutdown();
+            }
+            loop {
+                tokio::select! {
+                    _ = conn.as_mut() => break,
+                    // Dropping `conn` drops the request in flight.
+                    () = peer_closed(&stream) => break,
+                    r = stop.changed(), if !stopping => {
+                        stopping = true;
+                        if r.is_ok() {
+                            conn.as_mut().graceful_shutdown();
+                        }
                     }
+                }
+            }
+        });
+    }
+    drop(tcp); // new connections are refused from now on
+    let _ = stop_tx.send(true);
+    drop(stop_rx);
+    stop_tx.closed().await;
+}
+
+/// The next connection, once a slot is free.
+async fn accept(
+    tcp: &TcpListener,
+    slots: &Arc<Semaphore>,
+) -> (TcpStream, SocketAddr, OwnedSemaphorePermit) {
+    let slot = slots
+        .clone()
+        .acquire_owned()
+        .await
+        .expect("the semaphore is never closed");
+    loop {
+        match tcp.accept().await {
+            Ok((stream, addr)) => {
+                let _ = stream.set_nodelay(true);
+                return (stream, addr, slot);
+            }
+            Err(e) => {
+                // A peer that gave up before we accepted is no error;
+                // anything else (out of file descriptors) is retried
+                // after a pause.
+                if !matches!(
+                    e.kind(),
+                    io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset
+                ) {
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
                 }
             }
         }
     }
+}
 
-    fn local_addr(&self) -> io::Result<std::net::SocketAddr> {
-        self.inner.local_addr()
+/// Resolves once the peer has closed its side (or the socket failed).
+/// While unread bytes wait, readiness is immediate, so it checks every
+/// [`PEER_CHECK`] rather than spinning.
+async fn peer_closed(stream: &TcpStream) {
+    loop {
+        match stream.ready(Interest::READABLE).await {
+            Ok(r) if !r.is_read_closed() => {}
+            _ => return,
+        }
+        tokio::time::sleep(PEER_CHECK).await;
+    }
+}
+
+/// One open connection counted against its IP address's cap; the count
+/// drops with it.
+struct ClientSlot {
+    clients: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    ip: IpAddr,
+}
+
+impl ClientSlot {
+    /// A slot for `ip`, or `None` when it holds `max` already.
+    fn take(clients: &Arc<Mutex<HashMap<IpAddr, usize>>>, ip: IpAddr, max: usize) -> Option<Self> {
+        let mut map = clients.lock().unwrap_or_else(|e| e.into_inner());
+        let n = map.entry(ip).or_default();
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(ClientSlot {
+            clients: clients.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for ClientSlot {
+    fn drop(&mut self) {
+        let mut map = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = map.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// An accepted connection: the stream (shared with the task that watches
+/// for the peer closing), its write deadline, and its slots, which free
+/// when it is dropped.
+struct Connection {
+    stream: Arc<TcpStream>,
+    write_timeout: Duration,
+    /// Armed while a write waits for the socket.
+    write_stalled: Option<Pin<Box<Sleep>>>,
+    _slot: OwnedSemaphorePermit,
+    _per_client: ClientSlot,
+}
+
+impl Connection {
+    /// Waits for the socket to take bytes; an error once it has not for
+    /// `write_timeout`.
+    fn poll_writable(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if let Poll::Ready(r) = self.stream.poll_write_ready(cx) {
+            return Poll::Ready(r);
+        }
+        let timeout = self.write_timeout;
+        let stalled = self
+            .write_stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        ready!(stalled.as_mut().poll(cx));
+        Poll::Ready(Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "the client read nothing for --write-timeout-secs",
+        )))
+    }
+
+    /// Runs `write` once the socket is writable, until it does not block.
+    fn poll_write_with(
+        &mut self,
+        cx: &mut Context<'_>,
+        write: impl Fn(&TcpStream) -> io::Result<usize>,
+    ) -> Poll<io::Result<usize>> {
+        loop {
+            ready!(self.poll_writable(cx))?;
+            match write(&self.stream) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                r => {
+                    self.write_stalled = None;
+                    return Poll::Ready(r);
+                }
+            }
+        }
     }
 }
 
 impl AsyncRead for Connection {
     fn poll_read(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_read(cx, buf)
+        loop {
+            ready!(self.stream.poll_read_ready(cx))?;
+            match self.stream.try_read(buf.initialize_unfilled()) {
+                Ok(n) => {
+                    buf.advance(n);
+                    return Poll::Ready(Ok(()));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
     }
 }
 
@@ -95,15 +280,7 @@ impl AsyncWrite for Connection {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_shutdown(cx)
+        self.poll_write_with(cx, |s| s.try_write(buf))
     }
 
     fn poll_write_vectored(
@@ -111,10 +288,20 @@ impl AsyncWrite for Connection {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+        self.poll_write_with(cx, |s| s.try_write_vectored(bufs))
     }
 
     fn is_write_vectored(&self) -> bool {
-        self.stream.is_write_vectored()
+        true
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // Writes go straight to the socket.
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // The connection closes when it is dropped, right after this.
+        Poll::Ready(Ok(()))
     }
 }

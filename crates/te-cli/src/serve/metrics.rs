@@ -3,10 +3,11 @@
 //!
 //! | metric | kind |
 //! |---|---|
-//! | `te_http_requests_total{endpoint, status}` | counter |
+//! | `te_http_requests_total{endpoint, status}` (499: the client left first) | counter |
 //! | `te_requests_finished_total{reason}` (`stop`, `length`, `abort`) | counter |
 //! | `te_prompt_tokens_total`, `te_generation_tokens_total` | counter |
 //! | `te_requests_in_flight` (generation requests the server holds) | gauge |
+//! | `te_connections_refused_total` (over `--max-connections-per-client`) | counter |
 //! | `te_sequences_running`, `te_sequences_waiting` | gauge |
 //! | `te_kv_cache_pages_in_use`, `te_kv_cache_pages_total` | gauge |
 //! | `te_engine_preemptions_total` | counter |
@@ -82,6 +83,7 @@ pub struct Metrics {
     prompt_tokens: AtomicU64,
     generation_tokens: AtomicU64,
     in_flight: AtomicU64,
+    connections_refused: AtomicU64,
     ttft: Histogram,
     itl: Histogram,
 }
@@ -94,6 +96,7 @@ impl Default for Metrics {
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
+            connections_refused: AtomicU64::new(0),
             ttft: Histogram::new(TTFT_BOUNDS),
             itl: Histogram::new(ITL_BOUNDS),
         }
@@ -105,6 +108,17 @@ impl Metrics {
     pub fn http_request(&self, endpoint: &str, status: u16) {
         let mut m = self.http.lock().unwrap_or_else(|e| e.into_inner());
         *m.entry((endpoint.to_string(), status)).or_default() += 1;
+    }
+
+    /// A request for `endpoint` (the route) has arrived: its response is
+    /// counted by [`HttpRequest::answered`], or as status 499 (nginx's
+    /// "client closed request") if the client left before it.
+    pub fn http_started(self: &Arc<Self>, endpoint: String) -> HttpRequest {
+        HttpRequest {
+            metrics: self.clone(),
+            endpoint,
+            counted: false,
+        }
     }
 
     /// A generation finished: `reason` is `stop`, `length` or `abort`.
@@ -119,6 +133,12 @@ impl Metrics {
             .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
         self.generation_tokens
             .fetch_add(generated as u64, Ordering::Relaxed);
+    }
+
+    /// A connection closed at once: its client address holds
+    /// `--max-connections-per-client` already.
+    pub fn connection_refused(&self) {
+        self.connections_refused.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Seconds from a request's arrival to its first token.
@@ -204,6 +224,16 @@ impl Metrics {
             "Generation requests the server holds (queued, running or streaming).",
             self.in_flight(),
         );
+        counter(
+            &mut out,
+            "te_connections_refused_total",
+            "Connections closed at once: their client address held --max-connections-per-client.",
+        );
+        let _ = writeln!(
+            out,
+            "te_connections_refused_total {}",
+            self.connections_refused.load(Ordering::Relaxed)
+        );
         if let Some(e) = engine {
             gauge(
                 &mut out,
@@ -257,6 +287,29 @@ impl Metrics {
             "Time between consecutive generated tokens of a request.",
         );
         out
+    }
+}
+
+/// A request being answered (see [`Metrics::http_started`]).
+pub struct HttpRequest {
+    metrics: Arc<Metrics>,
+    endpoint: String,
+    counted: bool,
+}
+
+impl HttpRequest {
+    /// Counts the response's `status`.
+    pub fn answered(mut self, status: u16) {
+        self.counted = true;
+        self.metrics.http_request(&self.endpoint, status);
+    }
+}
+
+impl Drop for HttpRequest {
+    fn drop(&mut self) {
+        if !self.counted {
+            self.metrics.http_request(&self.endpoint, 499);
+        }
     }
 }
 

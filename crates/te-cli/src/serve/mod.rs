@@ -14,7 +14,8 @@
 //! (the two generation endpoints), [`api`] (request parsing and
 //! validation), [`response`] (response and chunk bodies), [`error`] (OpenAI
 //! error bodies), [`bridge`] (async side of the engine handle), [`metrics`]
-//! (Prometheus text), [`listener`] (connection limit).
+//! (Prometheus text), [`listener`] (connections: caps and timeouts),
+//! [`guard`] (the request body's deadline).
 //!
 //! Shutdown (SIGINT or SIGTERM): stop accepting, answer new generation
 //! requests on open connections with 503, let running ones finish for
@@ -25,13 +26,13 @@ mod api;
 mod bridge;
 mod completions;
 mod error;
+mod guard;
 mod listener;
 mod metrics;
 mod response;
 mod routes;
 mod state;
 
-use std::future::IntoFuture;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -71,19 +72,52 @@ pub struct Args {
     #[arg(long)]
     no_prefix_caching: bool,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health
-    /// and the chat page's files.
+    /// and the chat page's files (repeat for several keys; visible to
+    /// other local users in the process list: prefer --api-key-file or
+    /// TE_API_KEY).
     #[arg(long)]
-    api_key: Option<String>,
+    api_key: Vec<String>,
+    /// A file of API keys, one a line (blank lines and `#` comments
+    /// skipped); the environment variable TE_API_KEY adds one more.
+    #[arg(long)]
+    api_key_file: Option<std::path::PathBuf>,
+    /// Who shares cached prompt prefixes: `per-key` (each API key's
+    /// requests among themselves; the default with API keys) or `shared`
+    /// (the default without). Requests that give different `cache_salt`s
+    /// never share.
+    #[arg(long, value_enum)]
+    prefix_cache_scope: Option<state::PrefixCacheScope>,
     /// Largest request body in bytes (larger: 413).
     #[arg(long, default_value_t = 2 * 1024 * 1024)]
     max_body_bytes: usize,
     /// Most open connections; more wait to be accepted.
     #[arg(long, default_value_t = 512)]
     max_connections: usize,
+    /// Most open connections from one client IP address; more are closed
+    /// at once.
+    #[arg(long, default_value_t = 64)]
+    max_connections_per_client: usize,
+    /// Seconds a connection has to send a whole request head once it
+    /// waits for one (after opening, and after each response: the idle
+    /// keep-alive timeout too).
+    #[arg(long, default_value_t = 10.0)]
+    header_read_timeout_secs: f64,
+    /// Seconds a request body has to arrive, from its head (later: 400).
+    #[arg(long, default_value_t = 30.0)]
+    body_read_timeout_secs: f64,
+    /// Seconds a response write may make no progress (a client that
+    /// stopped reading) before the connection is closed.
+    #[arg(long, default_value_t = 30.0)]
+    write_timeout_secs: f64,
     /// Most generation requests held at once (queued, running or
     /// streaming); more get 429.
     #[arg(long, default_value_t = 256)]
     max_concurrent_requests: u64,
+    /// The most `max_tokens` a request may ask for (more: 400); also the
+    /// default of chat requests that name none (else the rest of the
+    /// context).
+    #[arg(long)]
+    max_tokens_limit: Option<usize>,
     /// Seconds in-flight requests may take to finish after SIGINT/SIGTERM
     /// before they are cancelled.
     #[arg(long, default_value_t = 30)]
@@ -94,6 +128,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     args.threads.init()?;
     for (name, v) in [
         ("--max-batch-size", args.max_batch_size),
+        (
+            "--max-connections-per-client",
+            args.max_connections_per_client,
+        ),
         ("--max-body-bytes", args.max_body_bytes),
         ("--max-connections", args.max_connections),
         (
@@ -101,11 +139,26 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             args.max_concurrent_requests as usize,
         ),
         ("--kv-cache-tokens", args.kv_cache_tokens.unwrap_or(1)),
+        ("--max-tokens-limit", args.max_tokens_limit.unwrap_or(1)),
     ] {
         if v == 0 {
             bail!("{name} must be at least 1");
         }
     }
+    let header_read_timeout = seconds("--header-read-timeout-secs", args.header_read_timeout_secs)?;
+    let body_read_timeout = seconds("--body-read-timeout-secs", args.body_read_timeout_secs)?;
+    let write_timeout = seconds("--write-timeout-secs", args.write_timeout_secs)?;
+    let api_keys = api_keys(&args)?;
+    let prefix_cache_scope = args.prefix_cache_scope.unwrap_or(if api_keys.is_empty() {
+        state::PrefixCacheScope::Shared
+    } else {
+        state::PrefixCacheScope::PerKey
+    });
+    // Bind before loading the model: a taken port fails at once.
+    let tcp = std::net::TcpListener::bind((args.host.as_str(), args.port))
+        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    tcp.set_nonblocking(true)
+        .context("making the listening socket non-blocking")?;
     let loaded = Arc::new(crate::load(&args.model)?);
     let config = EngineConfig {
         max_batch_size: args.max_batch_size,
@@ -163,9 +216,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .served_model_name
             .clone()
             .unwrap_or_else(|| args.model.clone()),
-        api_key: args.api_key.clone(),
+        api_keys,
+        prefix_cache_scope,
         max_concurrent_requests: args.max_concurrent_requests,
         max_body_bytes: args.max_body_bytes,
+        body_read_timeout,
+        max_tokens_limit: args.max_tokens_limit,
     };
     let state = Arc::new(AppState::new(
         handle,
@@ -174,7 +230,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         cancel_rx,
         engine_alive,
     ));
-    let served = runtime.block_on(serve(&args, state, cancel_tx));
+    let limits = listener::Limits {
+        max_connections: args.max_connections,
+        max_per_client: args.max_connections_per_client,
+        header_read_timeout,
+        write_timeout,
+    };
+    let served = runtime.block_on(serve(&args, tcp, limits, state, cancel_tx));
     // Ends what is left (cancelled streams) and drops every engine handle,
     // so the engine loop returns.
     runtime.shutdown_timeout(Duration::from_secs(10));
@@ -187,26 +249,73 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Binds, serves until a signal, then shuts down gracefully.
+/// The API keys of `--api-key`, `--api-key-file` and `TE_API_KEY`.
+///
+/// Errors: an unreadable file, an empty key (or one with whitespace or
+/// control characters, which no `Authorization` header carries).
+fn api_keys(args: &Args) -> anyhow::Result<Vec<String>> {
+    let mut keys: Vec<(String, String)> = args
+        .api_key
+        .iter()
+        .map(|k| (k.clone(), "--api-key".to_string()))
+        .collect();
+    if let Some(path) = &args.api_key_file {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading --api-key-file {}", path.display()))?;
+        for (i, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if !line.is_empty() && !line.starts_with('#') {
+                keys.push((
+                    line.to_string(),
+                    format!("{} line {}", path.display(), i + 1),
+                ));
+            }
+        }
+    }
+    if let Some(k) = std::env::var_os("TE_API_KEY") {
+        let k = k
+            .into_string()
+            .map_err(|_| anyhow::anyhow!("TE_API_KEY is not UTF-8"))?;
+        keys.push((k, "TE_API_KEY".to_string()));
+    }
+    for (key, from) in &keys {
+        if key.is_empty() || key.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            bail!("the API key of {from} is empty or holds whitespace or control characters");
+        }
+    }
+    Ok(keys.into_iter().map(|(k, _)| k).collect())
+}
+
+/// A positive, finite number of seconds from flag `name`.
+fn seconds(name: &str, secs: f64) -> anyhow::Result<Duration> {
+    if !(secs.is_finite() && secs > 0.0 && secs < 1e9) {
+        bail!("{name} must be a positive number of seconds, not {secs}");
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// Serves on `tcp` until a signal, then shuts down gracefully.
 async fn serve(
     args: &Args,
+    tcp: std::net::TcpListener,
+    limits: listener::Limits,
     state: Arc<AppState>,
     cancel: watch::Sender<bool>,
 ) -> anyhow::Result<()> {
-    let tcp = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
-        .await
-        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    let tcp = tokio::net::TcpListener::from_std(tcp).context("listening")?;
     let addr = tcp.local_addr()?;
-    let listener = listener::LimitedListener::new(tcp, args.max_connections);
     // Signals seen: 1 starts the graceful shutdown, 2 cancels at once.
     let (signals_tx, mut signals) = watch::channel(0u32);
     tokio::spawn(count_signals(signals_tx));
     let mut first_signal = signals.clone();
-    let server =
-        axum::serve(listener, routes::router(state.clone())).with_graceful_shutdown(async move {
-            let _ = first_signal.wait_for(|&n| n >= 1).await;
-        });
-    let mut server = tokio::spawn(server.into_future());
+    let router = routes::router(state.clone()).layer(axum::middleware::from_fn_with_state(
+        state.clone(),
+        guard::body_deadline,
+    ));
+    let server = listener::serve(tcp, router, limits, state.metrics.clone(), async move {
+        let _ = first_signal.wait_for(|&n| n >= 1).await;
+    });
+    let mut server = tokio::spawn(server);
     eprintln!("listening on http://{addr} (model {})", state.model_name);
     tokio::select! {
         result = &mut server => return finished(result),
@@ -240,8 +349,8 @@ async fn serve(
     }
 }
 
-fn finished(result: Result<std::io::Result<()>, tokio::task::JoinError>) -> anyhow::Result<()> {
-    result.context("the server task failed")?.context("serving")
+fn finished(result: Result<(), tokio::task::JoinError>) -> anyhow::Result<()> {
+    result.context("the server task failed")
 }
 
 /// Counts SIGINT and SIGTERM into `tx`.

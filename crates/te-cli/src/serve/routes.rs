@@ -16,7 +16,7 @@ use serde_json::json;
 
 use super::completions::{chat_completions, completions};
 use super::error::ApiError;
-use super::state::AppState;
+use super::state::{AppState, ClientKey};
 
 /// Paths served without an API key: the health check and the chat page's
 /// static files (the page asks for the key and sends it with its API
@@ -73,34 +73,39 @@ fn static_file(content_type: &'static str, body: &'static str) -> Response {
     ([(header::CONTENT_TYPE, content_type)], body).into_response()
 }
 
-/// Counts each response by route and status.
+/// Counts each response by route and status (499: the client left
+/// before it).
 async fn count(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let route = req
         .extensions()
         .get::<MatchedPath>()
         .map_or_else(|| "other".to_string(), |m| m.as_str().to_string());
+    let counted = s.metrics.http_started(route);
     let response = next.run(req).await;
-    s.metrics.http_request(&route, response.status().as_u16());
+    counted.answered(response.status().as_u16());
     response
 }
 
-/// With `--api-key`: `Authorization: Bearer KEY` on every path but
-/// [`PUBLIC_PATHS`], else 401.
-async fn require_key(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    let Some(key) = &s.api_key else {
-        return next.run(req).await;
-    };
-    if PUBLIC_PATHS.contains(&req.uri().path()) {
+/// With API keys: `Authorization: Bearer KEY` (the scheme in any case)
+/// on every path but [`PUBLIC_PATHS`], else 401; the key's index goes
+/// with the request ([`ClientKey`]).
+async fn require_key(State(s): State<Arc<AppState>>, mut req: Request, next: Next) -> Response {
+    if s.api_keys.is_empty() || PUBLIC_PATHS.contains(&req.uri().path()) {
         return next.run(req).await;
     }
     let given = req
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    match given {
-        Some(g) if same_secret(g.trim().as_bytes(), key.as_bytes()) => next.run(req).await,
-        Some(_) => unauthorized("Incorrect API key provided."),
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, key)| key.trim());
+    match given.map(|g| s.key_index(g)) {
+        Some(Some(i)) => {
+            req.extensions_mut().insert(ClientKey(i));
+            next.run(req).await
+        }
+        Some(None) => unauthorized("Incorrect API key provided."),
         None => unauthorized(
             "You didn't provide an API key. You need to provide your API key in an \
              Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
@@ -116,11 +121,6 @@ fn unauthorized(message: &str) -> Response {
         message,
     )
     .into_response()
-}
-
-/// Equality that takes the same time wherever the first difference is.
-fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 async fn not_found(method: Method, uri: Uri) -> ApiError {

@@ -1,0 +1,471 @@
+//! `te serve` under hostile clients, on smollm2-135m over loopback: idle,
+//! half-open and slow connections; work that would outlive its request;
+//! forged chat turns; the prefix cache as an oracle across clients;
+//! browser-borne requests; random request bodies. Each test starts its own
+//! server with short timeouts, and bounds its clients in count and time.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// One server at a time: two cores are not enough for two.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+const MODEL: &str = "smollm2-135m";
+
+/// A `te serve` child process on a free loopback port.
+struct Server {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Server {
+    fn start(extra: &[&str]) -> Server {
+        Self::start_with_env(extra, &[])
+    }
+
+    fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_te"))
+            .args(["serve", "--model", MODEL, "--port", "0"])
+            .args(extra)
+            .envs(env.iter().copied())
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("starting te serve");
+        let mut stderr = BufReader::new(child.stderr.take().unwrap());
+        let mut addr = None;
+        let mut line = String::new();
+        while stderr.read_line(&mut line).unwrap_or(0) > 0 {
+            eprint!("[te serve] {line}");
+            if let Some(rest) = line.split("listening on http://").nth(1) {
+                addr = rest.split_whitespace().next().map(str::to_string);
+                break;
+            }
+            line.clear();
+        }
+        let Some(addr) = addr else {
+            let _ = child.kill();
+            panic!("te serve did not start listening");
+        };
+        std::thread::spawn(move || {
+            for line in stderr.lines().map_while(Result::ok) {
+                eprintln!("[te serve] {line}");
+            }
+        });
+        Server {
+            child,
+            addr: addr.parse().expect("a socket address"),
+        }
+    }
+
+    /// One request with `Connection: close` from `from` (a loopback
+    /// address of the test's choosing); (status, body).
+    fn request_from(
+        &self,
+        from: &str,
+        method: &str,
+        path: &str,
+        headers: &str,
+        body: Option<&str>,
+    ) -> (u16, String) {
+        let mut s = connect_from(from, self.addr);
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let body = body.unwrap_or("");
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\n{headers}Content-Length: {}\r\n\
+             Connection: close\r\n\r\n{body}",
+            self.addr,
+            body.len()
+        )
+        .unwrap();
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        let out = String::from_utf8_lossy(&out);
+        let (head, body) = out.split_once("\r\n\r\n").expect("an HTTP response");
+        let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+        (status, body.to_string())
+    }
+
+    /// A JSON request from 127.0.0.1.
+    fn post(&self, path: &str, body: &str) -> (u16, String) {
+        self.request_from(
+            "127.0.0.1",
+            "POST",
+            path,
+            "Content-Type: application/json\r\n",
+            Some(body),
+        )
+    }
+
+    /// The value of the metric line `name` (with its labels).
+    fn metric(&self, name: &str) -> f64 {
+        let (status, text) = self.request_from("127.0.0.1", "GET", "/metrics", "", None);
+        assert_eq!(status, 200);
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing in\n{text}"))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A connection to `to` from loopback address `from` (127.0.0.0/8 is all
+/// loopback: a second client address without a second machine).
+fn connect_from(from: &str, to: SocketAddr) -> TcpStream {
+    let socket =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("a socket");
+    let local: SocketAddr = format!("{from}:0").parse().unwrap();
+    socket
+        .bind(&local.into())
+        .expect("binding a loopback address");
+    socket
+        .connect_timeout(&to.into(), Duration::from_secs(5))
+        .expect("connecting to te serve");
+    socket.into()
+}
+
+/// Whether the server closed `s` (end of stream or reset) before `deadline`.
+fn closed_by(mut s: &TcpStream, deadline: Instant) -> bool {
+    let mut buf = [0u8; 4096];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        s.set_read_timeout(Some(left)).unwrap();
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {} // an error response before the close
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return false
+            }
+            Err(_) => return true,
+        }
+    }
+}
+
+fn completion(prompt: &str, max_tokens: usize) -> String {
+    serde_json::json!({
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    })
+    .to_string()
+}
+
+#[test]
+fn idle_half_open_and_slow_clients_do_not_lock_out_a_new_client() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start(&[
+        "--header-read-timeout-secs",
+        "1",
+        "--body-read-timeout-secs",
+        "1",
+    ]);
+    let to = server.addr;
+    let attack_start = Instant::now();
+    // 600 plain idle connections and 512 that never finish their headers,
+    // all from 127.0.0.1.
+    // Interleaved, so both kinds are among those the per-client cap lets in.
+    let mut attackers = Vec::new();
+    for i in 0..1112 {
+        let mut s = connect_from("127.0.0.1", to);
+        if i % 2 == 1 && i < 1024 {
+            let _ = s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n");
+        }
+        attackers.push(s);
+    }
+    // A body that trickles in, a byte every 100 ms, from another address.
+    let mut slow = connect_from("127.0.0.3", to);
+    slow.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+          Content-Length: 100000\r\n\r\n",
+    )
+    .unwrap();
+    let trickle = {
+        let mut s = slow.try_clone().unwrap();
+        std::thread::spawn(move || {
+            for _ in 0..40 {
+                if s.write_all(b" ").is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+    let attack_set = attack_start.elapsed();
+
+    // A client from another address gets through at once.
+    let start = Instant::now();
+    let (status, body) = server.request_from("127.0.0.2", "GET", "/health", "", None);
+    assert_eq!((status, body.as_str()), (200, r#"{"status":"ok"}"#));
+    let (status, body) = server.request_from(
+        "127.0.0.2",
+        "POST",
+        "/v1/completions",
+        "Content-Type: application/json\r\n",
+        Some(&completion("The capital of France is", 4)),
+    );
+    assert_eq!(status, 200, "{body}");
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "the new client waited {took:?}"
+    );
+
+    // Every attacker's socket is closed within the 1 s timeouts (with
+    // slack for two busy cores), counted from when the attack was set up.
+    let deadline = attack_start + attack_set + Duration::from_secs(4);
+    let open = attackers.iter().filter(|s| !closed_by(s, deadline)).count();
+    assert_eq!(open, 0, "attacker connections still open");
+    assert!(closed_by(&slow, deadline), "the slow body still open");
+    trickle.join().unwrap();
+    // Those over the per-client cap were closed at once and counted.
+    let refused = server.metric("te_connections_refused_total");
+    assert!(refused >= 500.0, "{refused} connections refused");
+}
+
+#[test]
+fn a_disconnect_is_noticed_even_after_extra_bytes() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start(&[]);
+    let body = serde_json::json!({
+        "model": MODEL, "prompt": "Count:", "max_tokens": 4000, "ignore_eos": true,
+    })
+    .to_string();
+    let mut s = connect_from("127.0.0.1", server.addr);
+    // The request, then the start of a pipelined one; then the client leaves.
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}GET /health HTTP/1.1\r\n",
+        body.len()
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    drop(s);
+    let start = Instant::now();
+    while server.metric("te_requests_in_flight") > 0.0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "the request runs on after its client left"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        server.metric("te_requests_finished_total{reason=\"abort\"}"),
+        1.0
+    );
+}
+
+/// The server's CPU seconds so far and resident bytes (Linux /proc).
+fn usage(pid: u32) -> (f64, f64) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command's closing parenthesis; utime and stime are
+    // the 14th and 15th of the line.
+    let rest: Vec<&str> = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .collect();
+    let ticks: f64 = rest[11].parse::<f64>().unwrap() + rest[12].parse::<f64>().unwrap();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let rss_kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap();
+    // USER_HZ is 100 on every Linux this runs on.
+    (ticks / 100.0, rss_kb * 1024.0)
+}
+
+/// The sum of `te_http_requests_total` lines of `endpoint` with `statuses`.
+fn responses(server: &Server, endpoint: &str, statuses: &[u16]) -> f64 {
+    statuses
+        .iter()
+        .map(|s| {
+            let (_, text) = server.request_from("127.0.0.1", "GET", "/metrics", "", None);
+            let name = format!("te_http_requests_total{{endpoint=\"{endpoint}\",status=\"{s}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(&name)?.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        })
+        .sum()
+}
+
+#[test]
+fn huge_prompts_closed_early_leave_no_work_behind() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start(&["--max-body-bytes", "8000000"]);
+    let pid = server.child.id();
+    // Warm up (first allocations), then measure idle.
+    let (status, _) = server.post("/v1/completions", &completion("Hi", 2));
+    assert_eq!(status, 200);
+    std::thread::sleep(Duration::from_millis(500));
+    let (_, idle_rss) = usage(pid);
+    // Six 2 MiB prompts of "7" (2.1 M tokens each), each client leaving
+    // after 0.3 s.
+    let body = completion(&"7".repeat(2 << 20), 4);
+    let clients: Vec<_> = (0..6)
+        .map(|_| {
+            let body = body.clone();
+            let to = server.addr;
+            std::thread::spawn(move || {
+                let mut s = connect_from("127.0.0.1", to);
+                write!(
+                    s,
+                    "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+                     Content-Length: {}\r\n\r\n{body}",
+                    body.len()
+                )
+                .unwrap();
+                std::thread::sleep(Duration::from_millis(300));
+            })
+        })
+        .collect();
+    for c in clients {
+        c.join().unwrap();
+    }
+    // Within 5 s: idle CPU, resident memory back within 10% of idle, and
+    // each request counted (refused with 400, or 499 if it left first).
+    let start = Instant::now();
+    loop {
+        let (cpu0, _) = usage(pid);
+        std::thread::sleep(Duration::from_millis(500));
+        let (cpu1, rss) = usage(pid);
+        let busy = (cpu1 - cpu0) / 0.5;
+        let counted = responses(&server, "/v1/completions", &[400, 499]);
+        if busy < 0.1 && rss < idle_rss * 1.1 && counted == 6.0 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "after 5 s: {busy:.2} cores busy, {:.0} MB resident (idle {:.0} MB), {counted} of 6 counted",
+            rss / 1e6,
+            idle_rss / 1e6
+        );
+    }
+}
+
+#[test]
+fn max_tokens_over_the_server_limit_is_a_400_naming_the_field() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start(&["--max-tokens-limit", "8"]);
+    let (status, body) = server.post("/v1/completions", &completion("Hi", 9));
+    assert_eq!(status, 400, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["error"]["param"], "max_tokens", "{body}");
+    // A chat request that names none gets the limit.
+    let chat = serde_json::json!({
+        "model": MODEL, "messages": [{"role": "user", "content": "Count to 100."}],
+        "temperature": 0, "ignore_eos": true,
+    })
+    .to_string();
+    let (status, body) = server.post("/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 8, "{body}");
+    // A prompt of more tokens than the context: a 400 naming it.
+    let (status, body) = server.post("/v1/completions", &completion(&"7 ".repeat(9000), 1));
+    assert_eq!(status, 400, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["error"]["param"], "prompt", "{body}");
+    assert_eq!(v["error"]["code"], "context_length_exceeded", "{body}");
+    assert_eq!(responses(&server, "/v1/completions", &[400]), 2.0);
+}
+
+/// `cached_tokens` of a completion of `prompt` sent with `key` (and
+/// `salt`).
+fn cached_tokens(server: &Server, key: Option<&str>, prompt: &str, salt: Option<&str>) -> u64 {
+    let mut body = serde_json::json!({
+        "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+    });
+    if let Some(salt) = salt {
+        body["cache_salt"] = salt.into();
+    }
+    let auth = key.map_or(String::new(), |k| format!("Authorization: Bearer {k}\r\n"));
+    let (status, text) = server.request_from(
+        "127.0.0.1",
+        "POST",
+        "/v1/completions",
+        &format!("Content-Type: application/json\r\n{auth}"),
+        Some(&body.to_string()),
+    );
+    assert_eq!(status, 200, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap()
+}
+
+#[test]
+fn the_prefix_cache_is_no_oracle_across_keys_or_salts() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // A victim's prompt of several 16-token pages.
+    let secret = "The vault PIN of account 4471 is 9031. Never tell anyone the PIN, \
+                  not even the bank's own staff, whatever they claim.";
+    let keys = std::env::temp_dir().join(format!("te-keys-{}", std::process::id()));
+    std::fs::write(&keys, "# two clients\nkey-alice\n\nkey-bob\n").unwrap();
+    // Per-key scope (the default with keys); keys from a file and a
+    // lowercase scheme.
+    let server = Server::start(&["--api-key-file", keys.to_str().unwrap()]);
+    assert_eq!(cached_tokens(&server, Some("key-alice"), secret, None), 0);
+    assert!(
+        cached_tokens(&server, Some("key-alice"), secret, None) >= 16,
+        "the same key shares its own prefix"
+    );
+    assert_eq!(
+        cached_tokens(&server, Some("key-bob"), secret, None),
+        0,
+        "another key sees the first's prefix"
+    );
+    let (status, _) = server.request_from(
+        "127.0.0.1",
+        "GET",
+        "/v1/models",
+        "Authorization: bearer key-bob\r\n",
+        None,
+    );
+    assert_eq!(status, 200, "the scheme is case-insensitive");
+    drop(server);
+    std::fs::remove_file(&keys).unwrap();
+
+    // A shared cache: different salts never share, the same salt does.
+    let server = Server::start(&["--prefix-cache-scope", "shared"]);
+    assert_eq!(cached_tokens(&server, None, secret, Some("alice")), 0);
+    assert_eq!(cached_tokens(&server, None, secret, Some("bob")), 0);
+    assert_eq!(cached_tokens(&server, None, secret, None), 0);
+    assert!(cached_tokens(&server, None, secret, Some("alice")) >= 16);
+    assert!(cached_tokens(&server, None, secret, None) >= 16);
+}
+
+#[test]
+fn empty_api_keys_are_refused() {
+    for (args, env) in [
+        (&["--api-key", ""][..], &[][..]),
+        (&[][..], &[("TE_API_KEY", "")][..]),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_te"))
+            .args(["serve", "--model", MODEL, "--port", "0"])
+            .args(args)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("API key") && err.contains("empty"), "{err}");
+    }
+}
