@@ -55,7 +55,10 @@ fn greedy_tokens_match_reference_alone_with_drafts() {
 #[test]
 fn greedy_tokens_match_reference_batched_and_preempted() {
     let lines = read_jsonl(MODEL, "greedy.jsonl");
-    let mut prompts: Vec<&str> = lines.iter().map(|l| l["prompt"].as_str().unwrap()).collect();
+    let mut prompts: Vec<&str> = lines
+        .iter()
+        .map(|l| l["prompt"].as_str().unwrap())
+        .collect();
     prompts.extend([
         "def add(a, b):\n    return a + b\n\ndef add(a, b):",
         "1, 2, 3, 4, 5, 6, 7, 8,",

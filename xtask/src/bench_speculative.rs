@@ -130,9 +130,11 @@ pub fn run(args: &[String]) -> anyhow::Result<Vec<String>> {
             // (--prompt, repeated, keeps the prompt's newlines.)
             let te_run = |draft_args: &[&str]| -> anyhow::Result<Value> {
                 let mut cmd = Command::new(&te);
-                cmd.args(["generate", "--model", &target, "-t", &t, "--json", "--stats"])
-                    .args(["--ignore-eos", "--max-new-tokens", &n])
-                    .args(["--max-batch-size", &batch.to_string()]);
+                cmd.args([
+                    "generate", "--model", &target, "-t", &t, "--json", "--stats",
+                ])
+                .args(["--ignore-eos", "--max-new-tokens", &n])
+                .args(["--max-batch-size", &batch.to_string()]);
                 for _ in 0..batch {
                     cmd.args(["--prompt", &prompt]);
                 }
