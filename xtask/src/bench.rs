@@ -1,8 +1,10 @@
-//! `cargo xtask bench [kernels|attention|models|engine|serve|context-parallel]`:
+//! `cargo xtask bench [kernels|attention|models|engine|serve|context-parallel|speculative]`:
 //! CPU kernel, attention, model throughput, engine (prefix reuse), `te
 //! serve` (concurrent streaming clients on loopback) and context-parallel
-//! prefill (8192 tokens at 1, 2, 4 ranks), printed as markdown tables
-//! for docs/benchmarks.md. With no argument every section runs.
+//! prefill (8192 tokens at 1, 2, 4 ranks) and speculative decoding
+//! against llama.cpp (`bench_speculative`; `speculative --smoke` for a
+//! short check), printed as markdown tables for docs/benchmarks.md. With
+//! no argument every section but `speculative` runs.
 //! `--vs-llama-cpp` runs the same-run comparison with llama.cpp instead
 //! (`bench_peers`).
 
@@ -20,10 +22,18 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     if args.iter().any(|a| a == "--vs-llama-cpp") {
         return crate::bench_peers::run(args);
     }
+    if args.first().is_some_and(|a| a == "speculative") {
+        println!("## Speculative decoding\n");
+        for row in crate::bench_speculative::run(&args[1..])? {
+            println!("{row}");
+        }
+        return Ok(());
+    }
     for a in args {
         if !SECTIONS.contains(&a.as_str()) {
             anyhow::bail!(
-                "unknown bench section `{a}` (expected one of: {}; GPU benchmarks are \
+                "unknown bench section `{a}` (expected one of: {}, or `speculative [--smoke]` \
+                 alone; GPU benchmarks are \
                  not written yet, the GPU parity tests run with `cargo xtask test --gpu`)",
                 SECTIONS.join(", ")
             );

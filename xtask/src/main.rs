@@ -10,6 +10,7 @@ mod bench_matmul;
 mod bench_models;
 mod bench_peers;
 mod bench_serve;
+mod bench_speculative;
 mod fetch_models;
 mod gpu_bundle;
 mod kernels;

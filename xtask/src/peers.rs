@@ -27,13 +27,16 @@ pub const LLAMA_CPP_PYTHON: &str = "0.3.36";
 /// The llama.cpp commit that release vendors (names the cache directory).
 pub const LLAMA_CPP_COMMIT: &str = "0c1e57098";
 
-/// The llama.cpp programs we build: the comparison runs the first four;
+/// The llama.cpp programs we build: the comparison runs the first four,
+/// `cargo xtask bench speculative` also the speculative ones;
 /// `llama-tokenize` makes the reference token ids in `tests/refs/`.
-pub const TOOLS: [&str; 5] = [
+pub const TOOLS: [&str; 7] = [
     "llama-bench",
     "llama-batched-bench",
     "llama-perplexity",
     "llama-completion",
+    "llama-speculative",
+    "llama-lookup",
     "llama-tokenize",
 ];
 

@@ -52,6 +52,21 @@ pub enum CacheError {
         layer: usize,
         max_step_len: usize,
     },
+    /// `truncate` would drop positions a sliding-window ring has already
+    /// overwritten with the ones being dropped.
+    #[error(
+        "sequence {seq_id}: cannot roll back to {new_len} tokens: layer {layer}'s \
+         sliding-window ring of {ring_len} rows, written up to position {written}, \
+         no longer holds the positions the next query needs"
+    )]
+    RollbackPastRing {
+        seq_id: u64,
+        /// Most tokens the sequence ever held.
+        written: usize,
+        new_len: usize,
+        layer: usize,
+        ring_len: usize,
+    },
     /// More sequences in one step than `max_batch_size`.
     #[error("batch of {batch} sequences exceeds max_batch_size {max_batch_size}")]
     BatchTooLarge { batch: usize, max_batch_size: usize },

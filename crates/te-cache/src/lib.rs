@@ -8,7 +8,8 @@
 //! every layer borrows; then per layer [`InferenceParams::step`] saves the
 //! step's K/V and returns the [`te_kernels::KvCacheView`] attention reads;
 //! [`InferenceParams::release`] ends a sequence; [`InferenceParams::fork`]
-//! copies one. Prompts that share a prefix share its pages
+//! copies one; [`InferenceParams::truncate`] rolls one back (rejected
+//! speculative tokens), giving pages back. Prompts that share a prefix share its pages
 //! ([`InferenceParams::attach_prefix`], [`InferenceParams::register_prefix`]).
 //!
 //! Main types: [`InferenceParams`] (bookkeeping: sequence table, page pools

@@ -76,13 +76,19 @@ pub struct SlidingWindow {
 struct Sequence {
     /// Tokens seen so far (this step's included once `pre_step` ran).
     cached: usize,
+    /// Most tokens the sequence ever held: positions up to here were
+    /// written, so on a ring position `p` is intact only if
+    /// `p + ring_len >= written` (a rollback does not unwrite the ring).
+    written: usize,
     /// Physical pages per pool, in logical order.
     pages: Vec<Vec<i32>>,
-    /// Leading pages of the prefix pool whose prefix keys are known
-    /// (registered by this sequence or shared from the index).
-    keyed_pages: usize,
-    /// Prefix key of the last of those pages (the salt's root key if none).
-    last_key: u128,
+    /// Prefix keys of the leading pages of the prefix pool whose keys are
+    /// known (registered by this sequence or shared from the index), one
+    /// per page, in order (kept so that [`InferenceParams::truncate`] can
+    /// shorten the chain).
+    keys: Vec<u128>,
+    /// The key the chain starts from: its salt's root key.
+    root: u128,
 }
 
 /// The metadata of one step, computed once by
@@ -676,12 +682,14 @@ impl<S: KvStorage> InferenceParams<S> {
         for &(seq_id, step_len) in steps {
             let seq = self.sequences.entry(seq_id).or_insert_with(|| Sequence {
                 cached: 0,
+                written: 0,
                 pages: vec![Vec::new(); num_pools],
-                keyed_pages: 0,
-                last_key: 0,
+                keys: Vec::new(),
+                root: 0,
             });
             let start = seq.cached;
             seq.cached += step_len;
+            seq.written = seq.written.max(seq.cached);
             for (p, pool) in self.pools.iter_mut().enumerate() {
                 let pages = &mut seq.pages[p];
                 // Copy-on-write: the page the step starts writing in, when
@@ -809,9 +817,10 @@ impl<S: KvStorage> InferenceParams<S> {
         let root = root_key(salt);
         let mut seq = Sequence {
             cached: 0,
+            written: 0,
             pages: vec![Vec::new(); num_pools],
-            keyed_pages: 0,
-            last_key: root,
+            keys: Vec::new(),
+            root,
         };
         if let Some(ix) = &self.prefix {
             let pool = &mut self.pools[0];
@@ -826,11 +835,11 @@ impl<S: KvStorage> InferenceParams<S> {
                 seq.pages[0].push(page);
                 if seq.pages[0].len() * ps <= limit {
                     // Wholly cached: the sequence's key chain covers it.
-                    seq.keyed_pages = seq.pages[0].len();
-                    seq.last_key = key;
+                    seq.keys.push(key);
                 }
             }
             seq.cached = (seq.pages[0].len() * ps).min(limit);
+            seq.written = seq.cached;
         }
         let hit = seq.cached;
         self.sequences.insert(seq_id, seq);
@@ -863,11 +872,11 @@ impl<S: KvStorage> InferenceParams<S> {
             return Ok(());
         };
         let ps = self.pools[0].page_size;
-        for i in seq.keyed_pages..seq.cached / ps {
-            let key = page_key(seq.last_key, &tokens[i * ps..(i + 1) * ps]);
+        for i in seq.keys.len()..seq.cached / ps {
+            let parent = seq.keys.last().copied().unwrap_or(seq.root);
+            let key = page_key(parent, &tokens[i * ps..(i + 1) * ps]);
             ix.insert(key, seq.pages[0][i]);
-            seq.last_key = key;
-            seq.keyed_pages = i + 1;
+            seq.keys.push(key);
         }
         Ok(())
     }
@@ -885,6 +894,76 @@ impl<S: KvStorage> InferenceParams<S> {
             for &page in pages.iter().rev() {
                 pool.unshare(page, registered(&self.prefix, p, page));
             }
+        }
+        if self
+            .plan
+            .as_ref()
+            .is_some_and(|p| p.seq_ids.contains(&seq_id))
+        {
+            self.plan = None;
+        }
+        Ok(())
+    }
+
+    /// Rolls sequence `seq_id` back to its first `new_len` tokens: the keys
+    /// and values of positions `new_len..cached` are dropped (rejected
+    /// speculative tokens), pages no longer needed are given back, and the
+    /// next step continues at position `new_len`.
+    ///
+    /// Pages stay consistent with sharing: a dropped page that is
+    /// registered keeps describing the prefix it was registered under (its
+    /// rows were never written after registration) and stays cached for
+    /// reuse; the page the sequence now ends inside, when shared or
+    /// registered, is copied before the next write (copy-on-write, as for
+    /// any step). On a sliding-window ring the positions a later query
+    /// still sees must not have been overwritten by positions written since
+    /// (dropped now, or by an earlier rollback): the rollback is refused
+    /// when `max(0, new_len + 1 - window) + ring_len < written`, `written`
+    /// the most tokens the sequence ever held (so a rollback of at most
+    /// `max_step_len` tokens right after a step always fits). If the sequence is in the planned step, the
+    /// plan is dropped (call `pre_step` again).
+    ///
+    /// Errors (nothing changes): unknown `seq_id`, `new_len` above the
+    /// cached tokens, a rollback deeper than a ring keeps.
+    pub fn truncate(&mut self, seq_id: u64, new_len: usize) -> Result<(), CacheError> {
+        let seq = self
+            .sequences
+            .get(&seq_id)
+            .ok_or(CacheError::UnknownSequence { seq_id })?;
+        let (cached, written) = (seq.cached, seq.written);
+        if new_len > cached {
+            return Err(invalid(
+                "new_len",
+                format!("sequence {seq_id} holds {cached} tokens, cannot truncate to {new_len}"),
+            ));
+        }
+        for (layer, window) in self.windows.iter().enumerate() {
+            let ring = self.pools[self.layer_pool[layer]].ring_len;
+            if let (Some(w), Some(ring_len)) = (window, ring) {
+                let earliest_needed = (new_len + 1).saturating_sub(w.window);
+                if earliest_needed + ring_len < written {
+                    return Err(CacheError::RollbackPastRing {
+                        seq_id,
+                        written,
+                        new_len,
+                        layer,
+                        ring_len,
+                    });
+                }
+            }
+        }
+
+        // Validated: commit.
+        let seq = self.sequences.get_mut(&seq_id).expect("checked above");
+        seq.cached = new_len;
+        for (p, pool) in self.pools.iter_mut().enumerate() {
+            let keep = pool.pages_for(new_len);
+            for page in seq.pages[p].drain(keep..).rev() {
+                pool.unshare(page, registered(&self.prefix, p, page));
+            }
+        }
+        if self.prefix.is_some() {
+            seq.keys.truncate(new_len / self.pools[0].page_size);
         }
         if self
             .plan
@@ -950,9 +1029,10 @@ impl<S: KvStorage> InferenceParams<S> {
         // salt's chain): registering continues after them.
         let mut copy = Sequence {
             cached: source.cached,
+            written: source.written,
             pages: Vec::with_capacity(self.pools.len()),
-            keyed_pages: source.keyed_pages,
-            last_key: source.last_key,
+            keys: source.keys.clone(),
+            root: source.root,
         };
         for pool in self.pools.iter_mut() {
             let mut pages = Vec::new();

@@ -41,6 +41,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use te_engine::sampling::SamplingParams;
+use te_engine::speculative::SpeculativeConfig;
 use te_engine::{Engine, EngineConfig, Event, Request};
 use te_models::model::Model;
 
@@ -85,6 +86,8 @@ pub struct Args {
     #[arg(long)]
     npl: Vec<String>,
     #[command(flatten)]
+    draft: crate::draft::DraftArgs,
+    #[command(flatten)]
     device: crate::DeviceArg,
     #[command(flatten)]
     threads: crate::Threads,
@@ -105,6 +108,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "jsonl" => Format::Jsonl,
         other => bail!("-o {other}: expected md, json or jsonl"),
     };
+    let speculative = args.draft.config()?;
     if args.batched {
         if !args.n_prompt.is_empty() || !args.n_gen.is_empty() {
             bail!("-p/-n are for llama-bench mode; with --batched use --npp, --ntg and --npl");
@@ -117,7 +121,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let npl = parse_list("--npl", &args.npl, None, false)?;
         let threads = args.threads.init()?;
         let placed = crate::load_on(&args.model, &args.device)?;
-        batched(&placed, &npp, &ntg, &npl, threads, format)
+        batched(&placed, &npp, &ntg, &npl, threads, format, speculative)
     } else {
         if !args.npp.is_empty() || !args.ntg.is_empty() || !args.npl.is_empty() {
             bail!("--npp/--ntg/--npl need --batched");
@@ -142,7 +146,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .chain(n_gen.iter().map(|&n| (0, n)))
             .filter(|&t| t != (0, 0))
             .collect();
-        single(&placed, &desc, &tests, args.repetitions, threads, format)
+        single(
+            &placed,
+            &desc,
+            &tests,
+            args.repetitions,
+            threads,
+            format,
+            speculative,
+        )
     }
 }
 
@@ -344,6 +356,7 @@ fn test_engine<'m>(
     placed: &'m crate::Placed,
     n_prompt: usize,
     n_gen: usize,
+    speculative: Option<SpeculativeConfig>,
 ) -> anyhow::Result<Engine<'m>> {
     let config = EngineConfig {
         max_batch_size: 1,
@@ -352,6 +365,7 @@ fn test_engine<'m>(
         kv_cache_tokens: Some(n_prompt.max(1) + n_gen.max(1) + 1),
         prefix_caching: false,
         gpu: placed.gpu.clone(),
+        speculative,
         ..EngineConfig::default()
     };
     Ok(Engine::new(&placed.loaded.model, None, config)?)
@@ -386,6 +400,7 @@ fn single(
     reps: usize,
     threads: usize,
     format: Format,
+    speculative: Option<SpeculativeConfig>,
 ) -> anyhow::Result<()> {
     let (model, tokenizer) = (&placed.loaded.model, &placed.loaded.tokenizer);
     for &(p, n) in tests {
@@ -413,7 +428,7 @@ fn single(
     // llama-bench's backend names.
     let backend = if placed.gpu.is_some() { "CUDA" } else { "CPU" };
     for (i, &(n_prompt, n_gen)) in tests.iter().enumerate() {
-        let mut engine = test_engine(placed, n_prompt, n_gen)?;
+        let mut engine = test_engine(placed, n_prompt, n_gen, speculative)?;
         // Warm-up: the whole prompt for pp, one token for tg (llama-bench).
         if n_prompt > 0 {
             measure(&mut engine, bos, n_prompt, 0)?;
@@ -494,6 +509,7 @@ fn batched(
     npl: &[usize],
     threads: usize,
     format: Format,
+    speculative: Option<SpeculativeConfig>,
 ) -> anyhow::Result<()> {
     let (model, tokenizer) = (&placed.loaded.model, &placed.loaded.tokenizer);
     for &pp in npp {
@@ -532,6 +548,7 @@ fn batched(
         kv_cache_tokens: Some(kv.max(per_seq(WARMUP_TOKENS, 1))),
         prefix_caching: false,
         gpu: placed.gpu.clone(),
+        speculative,
         ..EngineConfig::default()
     };
     let n_batch = config.max_step_tokens;

@@ -81,6 +81,8 @@ pub struct Args {
     #[arg(long, value_name = "N|mpi", value_parser = parse_context_parallel)]
     context_parallel: Option<Ranks>,
     #[command(flatten)]
+    draft: crate::draft::DraftArgs,
+    #[command(flatten)]
     device: crate::DeviceArg,
     #[command(flatten)]
     threads: crate::Threads,
@@ -256,6 +258,7 @@ impl Job<'_> {
             kv_cache_tokens: args.kv_cache_tokens,
             prefix_caching: !args.no_prefix_caching,
             gpu: self.gpu.clone(),
+            speculative: args.draft.config()?,
             ..EngineConfig::default()
         };
         let model = &self.loaded.model;
@@ -375,6 +378,13 @@ impl Job<'_> {
                 "peak_kv_bytes": s.peak_kv_bytes,
                 "preemptions": s.preemptions,
             });
+            if args.draft.draft_ngram.is_some() {
+                if let (Some(l), serde_json::Value::Object(d)) =
+                    (line.as_object_mut(), crate::draft::stats_json(s))
+                {
+                    l.extend(d);
+                }
+            }
             if let Some(per_rank) = kv_per_rank {
                 let tokens: Vec<usize> = per_rank.iter().map(|r| r.tokens).collect();
                 let bytes: Vec<usize> = per_rank.iter().map(|r| r.bytes).collect();

@@ -12,6 +12,7 @@
 
 mod bench;
 mod convert;
+mod draft;
 mod generate;
 mod inspect;
 mod perplexity;

@@ -47,6 +47,17 @@
 //!   cache can take its part), so every rank makes the same decisions and
 //!   samples the same tokens. Prefix sharing is off.
 //!
+//! - **Speculative decoding** ([`EngineConfig::speculative`], prompt
+//!   lookup, [`crate::speculative`]): a decoding sequence's drafted tokens
+//!   are verified as one chunk of `k + 1` rows inside the ordinary step
+//!   (beside other sequences' decode and prefill), the accepted ones and
+//!   the model's own next token are emitted one by one through the same
+//!   stop / EOS / length checks, and the cache is rolled back past the
+//!   rejected ones. Greedy tokens are bit-identical to plain decoding;
+//!   sampled ones keep the distribution (and, for prompt lookup, the
+//!   seeded tokens). Drafting runs on the CPU without context
+//!   parallelism; elsewhere requests decode plainly.
+//!
 //! The engine is single-threaded state (its compute is parallel inside a
 //! step); [`crate::driver`] runs it on a thread of its own for
 //! multi-threaded callers.
@@ -64,10 +75,11 @@ use te_models::model::{Model, StepOutput};
 use te_models::runner::Runner;
 use te_tokenizer::Tokenizer;
 
-use crate::output::{Event, FinishReason, Usage};
+use crate::output::{Event, FinishReason, TokenLogprobs, Usage};
 use crate::request::{invalid, Request, RequestError, RequestId};
 use crate::sampling::Sampler;
 use crate::scheduler::{Schedule, Scheduler, SchedulerConfig, SeqState};
+use crate::speculative::{CostModel, Drafter, SpeculativeConfig};
 use crate::text::TextState;
 
 /// Engine settings.
@@ -90,6 +102,10 @@ pub struct EngineConfig {
     /// The model's weights on a GPU (`CudaModel::upload`) to run the steps
     /// there; `None`: the CPU.
     pub gpu: Option<Arc<CudaModel>>,
+    /// Speculative decoding of every request (`None`: plain decoding).
+    /// Drafting runs on the CPU without context parallelism; elsewhere
+    /// the setting is ignored.
+    pub speculative: Option<SpeculativeConfig>,
 }
 
 impl Default for EngineConfig {
@@ -102,6 +118,7 @@ impl Default for EngineConfig {
             kv_cache_tokens: None,
             prefix_caching: true,
             gpu: None,
+            speculative: None,
         }
     }
 }
@@ -133,6 +150,32 @@ pub struct EngineStats {
     pub peak_rank_kv_tokens: usize,
     /// Most bytes of KV pages in use at once, every layer's pool together.
     pub peak_kv_bytes: usize,
+    /// Speculative decoding: tokens drafted and verified, the drafted
+    /// tokens the model accepted, and the verifications (steps in which a
+    /// sequence had a draft).
+    pub draft_tokens: usize,
+    pub accepted_tokens: usize,
+    pub verifications: usize,
+}
+
+impl EngineStats {
+    /// Accepted over drafted tokens (0 before any draft).
+    pub fn acceptance_rate(&self) -> f64 {
+        if self.draft_tokens == 0 {
+            0.0
+        } else {
+            self.accepted_tokens as f64 / self.draft_tokens as f64
+        }
+    }
+
+    /// Accepted drafted tokens per verification (0 before any).
+    pub fn mean_accepted_length(&self) -> f64 {
+        if self.verifications == 0 {
+            0.0
+        } else {
+            self.accepted_tokens as f64 / self.verifications as f64
+        }
+    }
 }
 
 /// One rank's KV peaks ([`Engine::kv_per_rank`]).
@@ -168,6 +211,8 @@ struct Gen<'a> {
     limit: usize,
     sampler: Sampler,
     text: TextState<'a>,
+    /// Speculative decoding state (`None`: plain decoding).
+    drafter: Option<Drafter>,
 }
 
 type Seq<'a> = SeqState<Gen<'a>>;
@@ -186,6 +231,13 @@ pub struct Engine<'a> {
     pending: Vec<Event>,
     next_id: RequestId,
     stats: EngineStats,
+    /// Speculative decoding of every request, where it runs (CPU, no
+    /// context parallelism).
+    speculative: Option<SpeculativeConfig>,
+    /// The measured cost of decode steps by rows (draft lengths).
+    cost: CostModel,
+    /// Longest feed of one sequence in one step.
+    prefill_chunk: usize,
 }
 
 impl<'a> Engine<'a> {
@@ -221,6 +273,9 @@ impl<'a> Engine<'a> {
             .kv_cache_tokens
             .unwrap_or_else(|| Self::default_kv_cache_tokens(model));
         let total_num_pages = tokens.div_ceil(config.page_size);
+        if let Some(spec) = &config.speculative {
+            spec.validate()?;
+        }
         let runner = Runner::new(config.gpu.clone());
         let cache = runner.new_cache(
             model,
@@ -245,10 +300,13 @@ impl<'a> Engine<'a> {
             model,
             tokenizer,
             sched,
-            runner,
             pending: Vec::new(),
             next_id: 0,
             stats: EngineStats::default(),
+            speculative: config.speculative.filter(|_| runner.is_cpu()),
+            cost: CostModel::new(),
+            prefill_chunk: config.prefill_chunk.max(1),
+            runner,
         })
     }
 
@@ -271,6 +329,7 @@ impl<'a> Engine<'a> {
         }
         let config = EngineConfig {
             prefix_caching: false,
+            speculative: None,
             ..config
         };
         let mut engine = Self::new(model, tokenizer, config.clone())?;
@@ -445,6 +504,7 @@ impl<'a> Engine<'a> {
                     .map(|t| t.decode_stream(request.skip_special_tokens)),
                 request.stop,
             ),
+            drafter: self.speculative.map(Drafter::new),
         };
         let mut seq = SeqState::new(id, request.prompt_tokens, gen);
         seq.cache_salt = request.cache_salt;
@@ -502,6 +562,7 @@ impl<'a> Engine<'a> {
         if self.sched.running().is_empty() {
             return Ok(events);
         }
+        self.propose_drafts();
         let feed = match self.sched.schedule()? {
             Schedule::Idle => return Ok(events),
             Schedule::PoolFull(seq) => {
@@ -513,6 +574,19 @@ impl<'a> Engine<'a> {
         let (tokens, prefill) = self.sched.step_tokens(&feed);
         let start = Instant::now();
         let vocab = self.model.config.vocab_size;
+        // Logit rows per fed sequence: its draft's and the one before it.
+        let drafting = self.sched.running().iter().any(|s| !s.draft.is_empty());
+        let tails: Vec<usize> = if drafting {
+            self.sched
+                .running()
+                .iter()
+                .zip(&feed)
+                .filter(|(_, &n)| n > 0)
+                .map(|(s, _)| 1 + s.draft.len())
+                .collect()
+        } else {
+            Vec::new()
+        };
         // Plain greedy everywhere: the device may pick the tokens itself.
         let greedy = self
             .sched
@@ -524,6 +598,10 @@ impl<'a> Engine<'a> {
             Some(cp) => self
                 .runner
                 .step_context_parallel(self.model, &tokens, cache, cp),
+            None if drafting => self
+                .runner
+                .step_tails(self.model, &tokens, cache, &tails)
+                .map(StepOutput::Logits),
             None => self.runner.step(self.model, &tokens, cache, greedy),
         };
         let out = match forward {
@@ -537,13 +615,15 @@ impl<'a> Engine<'a> {
                 });
             }
         };
-        // Each fed sequence's row of the output, and the token it takes
-        // (None: mid-prompt chunk). The sequences sample in parallel: each
-        // reads its own row with its own sampler and RNG, so the tokens do
-        // not depend on the order (at 32 sequences one pass over Gemma 3's
-        // 262,144 logits each was ~3% of a decode step).
+        // Each fed sequence's rows of the output, and what it takes: the
+        // number of its drafted tokens accepted and the model's own next
+        // token (None: mid-prompt chunk). The sequences sample in
+        // parallel: each reads its own rows with its own sampler and RNG,
+        // so the tokens do not depend on the order (at 32 sequences one
+        // pass over Gemma 3's 262,144 logits each was ~3% of a decode
+        // step).
         let running = self.sched.running_mut();
-        let mut picks: Vec<Option<u32>> = vec![None; running.len()];
+        let mut picks: Vec<Option<Pick>> = (0..running.len()).map(|_| None).collect();
         {
             let mut row = 0;
             let mut jobs = Vec::new();
@@ -552,17 +632,17 @@ impl<'a> Engine<'a> {
                     continue;
                 }
                 let this_row = row;
-                row += 1;
+                row += 1 + seq.draft.len();
                 if seq.completes_with(n) {
                     jobs.push((seq, this_row, pick));
                 }
             }
             match &out {
                 StepOutput::Logits(logits) => {
-                    let sample = |(seq, r, pick): (&mut Seq<'_>, usize, &mut Option<u32>)| {
-                        let row = &logits[r * vocab..(r + 1) * vocab];
-                        *pick = Some(seq.data.sampler.sample(row, &seq.tokens));
-                    };
+                    let sample =
+                        |(seq, r, pick): (&mut Seq<'_>, usize, &mut Option<Pick>)| {
+                            *pick = Some(verify(seq, &logits[r * vocab..], vocab));
+                        };
                     // (One sequence: no hand-off to the pool.)
                     if jobs.len() > 1 {
                         jobs.into_par_iter().for_each(sample);
@@ -572,47 +652,104 @@ impl<'a> Engine<'a> {
                 }
                 StepOutput::Tokens(ids) => {
                     for (_, r, pick) in jobs {
-                        *pick = Some(ids[r]);
+                        *pick = Some(Pick {
+                            accepted: 0,
+                            token: ids[r],
+                            logprobs: Vec::new(),
+                        });
                     }
                 }
             }
         }
-        self.sched.advance(&feed)?;
-        let eos = &self.model.config.eos_token_ids;
-        let mut finished_idx = Vec::new();
-        for (i, (seq, pick)) in self.sched.running_mut().iter_mut().zip(picks).enumerate() {
-            let Some(tok) = pick else {
-                continue; // not fed, or a mid-prompt chunk: no token yet
-            };
-            seq.tokens.push(tok);
-            self.stats.generated_tokens += 1;
-            let (text, stopped) = seq.data.text.push(tok);
-            events.push(Event::Token {
-                id: seq.id,
+        // Accepted drafted tokens join the sequences; the cache forgets the
+        // rejected ones.
+        let mut rejected = vec![0; picks.len()];
+        for ((seq, pick), rej) in self
+            .sched
+            .running_mut()
+            .iter_mut()
+            .zip(&picks)
+            .zip(&mut rejected)
+        {
+            let Some(Pick {
+                accepted,
                 token: tok,
-                text,
-                logprobs: seq.data.sampler.take_logprobs(),
-            });
-            let reason = if stopped {
-                Some(FinishReason::Stop)
-            } else if !seq.data.ignore_eos && eos.contains(&tok) {
-                Some(FinishReason::Eos)
-            } else if seq.tokens.len() >= seq.data.limit {
-                Some(FinishReason::Length)
-            } else {
-                None
+                ..
+            }) = *pick
+            else {
+                continue;
             };
-            if let Some(r) = reason {
-                finished_idx.push((i, r));
+            let drafted = seq.draft.len();
+            *rej = drafted - accepted;
+            seq.tokens.extend_from_slice(&seq.draft[..accepted]);
+            if let Some(d) = seq.data.drafter.as_mut() {
+                if drafted > 0 {
+                    d.record(drafted, accepted);
+                } else {
+                    d.record_plain(tok);
+                }
+            }
+            if drafted > 0 {
+                self.stats.draft_tokens += drafted;
+                self.stats.accepted_tokens += accepted;
+                self.stats.verifications += 1;
             }
         }
+        self.sched.advance(&feed, &rejected)?;
+        let eos = &self.model.config.eos_token_ids;
+        let mut finished_idx = Vec::new();
+        let mut generated = 0;
+        for (i, (seq, pick)) in self.sched.running_mut().iter_mut().zip(picks).enumerate() {
+            let Some(Pick {
+                accepted,
+                token: tok,
+                logprobs,
+            }) = pick
+            else {
+                continue; // not fed, or a mid-prompt chunk: no token yet
+            };
+            let mut logprobs = logprobs.into_iter();
+            seq.tokens.push(tok);
+            // The new tokens one by one, as plain decoding would emit them.
+            let first = seq.tokens.len() - 1 - accepted;
+            for j in first..seq.tokens.len() {
+                let tok = seq.tokens[j];
+                generated += 1;
+                let (text, stopped) = seq.data.text.push(tok);
+                events.push(Event::Token {
+                    id: seq.id,
+                    token: tok,
+                    text,
+                    logprobs: logprobs.next(),
+                });
+                let reason = if stopped {
+                    Some(FinishReason::Stop)
+                } else if !seq.data.ignore_eos && eos.contains(&tok) {
+                    Some(FinishReason::Eos)
+                } else if j + 1 >= seq.data.limit {
+                    Some(FinishReason::Length)
+                } else {
+                    None
+                };
+                if let Some(r) = reason {
+                    // Tokens after the end are dropped.
+                    seq.tokens.truncate(j + 1);
+                    finished_idx.push((i, r));
+                    break;
+                }
+            }
+        }
+        self.stats.generated_tokens += generated;
         let elapsed = start.elapsed().as_secs_f64();
         if prefill {
             self.stats.prefill_tokens += tokens.len();
             self.stats.prefill_s += elapsed;
         } else {
-            self.stats.decode_tokens += tokens.len();
+            self.stats.decode_tokens += generated;
             self.stats.decode_s += elapsed;
+            if self.speculative.is_some() {
+                self.cost.record(tokens.len(), elapsed);
+            }
         }
         self.stats.peak_kv_tokens = self.stats.peak_kv_tokens.max(self.kv_tokens_in_use());
         self.stats.peak_kv_bytes = self
@@ -627,6 +764,33 @@ impl<'a> Engine<'a> {
             events.push(self.finish(seq, reason));
         }
         Ok(events)
+    }
+
+    /// Gives every decoding sequence its draft for the next step (none
+    /// without speculative decoding, or with context parallelism): at most
+    /// what its length limit and a step's chunk leave room for.
+    fn propose_drafts(&mut self) {
+        if self.speculative.is_none() || self.sched.context_parallel().is_some() {
+            return;
+        }
+        let batch = self.sched.running().len();
+        let row_cost = self.cost.row_cost(batch);
+        let chunk = self.prefill_chunk;
+        for seq in self.sched.running_mut() {
+            if !seq.decoding() {
+                continue;
+            }
+            let Some(drafter) = seq.data.drafter.as_mut() else {
+                continue;
+            };
+            // The step's new tokens reach tokens.len() + draft + 1.
+            let room = seq
+                .data
+                .limit
+                .saturating_sub(seq.tokens.len() + 1)
+                .min(chunk - 1);
+            seq.draft = drafter.propose(&seq.tokens, room, batch, row_cost);
+        }
     }
 
     /// Runs until every request is done, passing each event to `on_event`.
@@ -649,6 +813,46 @@ impl<'a> Engine<'a> {
             seq.data.text.rest()
         };
         finished(&seq, reason, rest)
+    }
+}
+
+/// What a fed sequence takes from its logits rows.
+struct Pick {
+    /// Drafted tokens accepted.
+    accepted: usize,
+    /// The model's own token after them.
+    token: u32,
+    /// The log-probabilities of each new token (the accepted drafted ones,
+    /// then `token`), when the request asks for them; else empty.
+    logprobs: Vec<TokenLogprobs>,
+}
+
+/// Verifies `seq`'s draft against its logits rows `rows: [1 + draft, vocab]`
+/// (a sequence without a draft: its one row): each position's token is
+/// chosen by the sequence's sampler as plain decoding would choose it,
+/// and the draft is accepted up to the first position whose token
+/// differs from it (see [`crate::speculative`]).
+fn verify(seq: &mut Seq<'_>, rows: &[f32], vocab: usize) -> Pick {
+    let row = |j: usize| &rows[j * vocab..(j + 1) * vocab];
+    let mut logprobs = Vec::new();
+    // The history grows by the accepted tokens (for the penalties), then
+    // is put back.
+    let len = seq.tokens.len();
+    let mut accepted = 0;
+    let token = loop {
+        let tok = seq.data.sampler.sample(row(accepted), &seq.tokens);
+        logprobs.extend(seq.data.sampler.take_logprobs());
+        if accepted == seq.draft.len() || tok != seq.draft[accepted] {
+            break tok;
+        }
+        seq.tokens.push(tok);
+        accepted += 1;
+    };
+    seq.tokens.truncate(len);
+    Pick {
+        accepted,
+        token,
+        logprobs,
     }
 }
 

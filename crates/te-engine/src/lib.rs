@@ -9,7 +9,8 @@
 //! [`scheduler::Scheduler`] (admission, chunking, preemption, prefix hits;
 //! testable without a model), [`EngineHandle`] (the engine on a thread of
 //! its own),
-//! [`sampling::Sampler`], [`generate::generate`] (a batch of requests run
+//! [`sampling::Sampler`], [`speculative`] (prompt-lookup drafts verified
+//! inside the step), [`generate::generate`] (a batch of requests run
 //! to completion), [`perplexity`].
 //!
 //! Invariants: a request's tokens are the same alone and in any batch
@@ -27,6 +28,7 @@ pub mod perplexity;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;
+pub mod speculative;
 mod text;
 
 pub use driver::{channel, Command, EngineHandle, EngineStopped};

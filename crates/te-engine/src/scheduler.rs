@@ -19,6 +19,11 @@
 //!   to the caller ([`Schedule::PoolFull`]).
 //! - **Context parallelism**: with a [`ContextParallel`] rank the fullest
 //!   rank decides (minima over the ranks), so every rank schedules alike.
+//! - **Drafts** (speculative decoding): a decoding sequence may carry
+//!   drafted tokens ([`SeqState::draft`]); it is then fed its last token
+//!   and the draft as one chunk (budget allowing), drafts are dropped
+//!   before anyone is preempted for their pages, and
+//!   [`Scheduler::advance`] rolls the cache back past the rejected ones.
 //!
 //! Every cache operation is transactional (a failed `pre_step` changes
 //! nothing), so a refused step leaves the bookkeeping as it was.
@@ -45,6 +50,11 @@ pub struct SeqState<T> {
     pub data: T,
     /// Prefix-cache salt (see `Request::cache_salt`).
     pub cache_salt: Option<Vec<u8>>,
+    /// Drafted tokens to verify after the last token (speculative
+    /// decoding; set by the caller before [`Scheduler::schedule`], only on
+    /// a [`decoding`](Self::decoding) sequence). The scheduler may shorten
+    /// or drop it; [`Scheduler::advance`] clears it.
+    pub draft: Vec<u32>,
     /// Admission order (preemption takes the latest).
     admitted: u64,
     /// Entered the cache since its (latest) admission.
@@ -64,6 +74,7 @@ impl<T> SeqState<T> {
             cached_prompt_tokens: 0,
             data,
             cache_salt: None,
+            draft: Vec::new(),
             admitted: 0,
             started: false,
             was_admitted: false,
@@ -74,6 +85,12 @@ impl<T> SeqState<T> {
     /// token (the step then picks its next token).
     pub fn completes_with(&self, n: usize) -> bool {
         n > 0 && self.fed + n >= self.tokens.len()
+    }
+
+    /// Whether the sequence is decoding: in the cache with every token but
+    /// the last one fed (the next step feeds one token, or it and a draft).
+    pub fn decoding(&self) -> bool {
+        self.started && self.fed + 1 == self.tokens.len()
     }
 }
 
@@ -333,7 +350,20 @@ impl<S: KvStorage, T> Scheduler<S, T> {
                 return Ok(Schedule::Idle);
             }
             if self.try_pre_step(&steps)? {
+                // Drafts the budget cut short are shortened to their feed.
+                for (s, &n) in self.running.iter_mut().zip(&feed) {
+                    if !s.draft.is_empty() {
+                        s.draft.truncate(n.saturating_sub(1));
+                    }
+                }
                 return Ok(Schedule::Step { feed });
+            }
+            if self.running.iter().any(|s| !s.draft.is_empty()) {
+                // Drafts give way before anyone is preempted.
+                for s in &mut self.running {
+                    s.draft.clear();
+                }
+                continue;
             }
             if self.running.len() > 1 {
                 self.preempt_latest();
@@ -347,30 +377,39 @@ impl<S: KvStorage, T> Scheduler<S, T> {
     }
 
     /// The tokens of a scheduled step in thd order (`feed` from
-    /// [`Schedule::Step`]), and whether any sequence is still in its
-    /// prompt.
+    /// [`Schedule::Step`]: a sequence's own unfed tokens, then its draft),
+    /// and whether any sequence is still in its prompt.
     pub fn step_tokens(&self, feed: &[usize]) -> (Vec<u32>, bool) {
         let mut tokens = Vec::new();
         let mut prefill = false;
         for (s, &n) in self.running.iter().zip(feed) {
-            tokens.extend_from_slice(&s.tokens[s.fed..s.fed + n]);
+            let own = n.min(s.tokens.len() - s.fed);
+            tokens.extend_from_slice(&s.tokens[s.fed..s.fed + own]);
+            tokens.extend_from_slice(&s.draft[..n - own]);
             prefill |= n > 0 && s.tokens.len() - s.fed > 1;
         }
         (tokens, prefill)
     }
 
     /// Records that the step of `feed` ran: each fed sequence's cached
-    /// length grows by its feed, and its full pages are registered for
-    /// prefix reuse.
+    /// length grows by its feed less its `rejected[i]` drafted tokens,
+    /// which are rolled back out of the cache (the caller has appended the
+    /// accepted ones to its tokens), drafts are cleared, and full pages of
+    /// tokens are registered for prefix reuse.
     ///
-    /// Errors: the cache refused a registration (an internal invariant).
-    pub fn advance(&mut self, feed: &[usize]) -> Result<()> {
+    /// Errors: the cache refused a rollback or a registration (an internal
+    /// invariant).
+    pub fn advance(&mut self, feed: &[usize], rejected: &[usize]) -> Result<()> {
         let sharing = self.config.prefix_caching;
-        for (seq, &n) in self.running.iter_mut().zip(feed) {
+        for ((seq, &n), &r) in self.running.iter_mut().zip(feed).zip(rejected) {
+            seq.draft.clear();
             if n == 0 {
                 continue;
             }
-            seq.fed += n;
+            seq.fed += n - r;
+            if r > 0 {
+                self.cache.truncate(seq.id, seq.fed)?;
+            }
             if sharing {
                 self.cache.register_prefix(seq.id, &seq.tokens[..seq.fed])?;
             }
@@ -474,9 +513,17 @@ impl<S: KvStorage, T> Scheduler<S, T> {
         let mut budget = self.config.max_step_tokens.max(self.running.len());
         let mut feed = vec![0usize; self.running.len()];
         for (f, s) in feed.iter_mut().zip(&self.running) {
-            if s.started && s.tokens.len() - s.fed == 1 {
+            if s.decoding() {
                 *f = 1;
                 budget -= 1;
+            }
+        }
+        // Drafts, within what is left (at most a prompt chunk per step).
+        for (f, s) in feed.iter_mut().zip(&self.running) {
+            if *f == 1 && !s.draft.is_empty() {
+                let extra = s.draft.len().min(budget).min(self.config.prefill_chunk - 1);
+                *f += extra;
+                budget -= extra;
             }
         }
         for (f, s) in feed.iter_mut().zip(&self.running) {
@@ -499,6 +546,7 @@ impl<S: KvStorage, T> Scheduler<S, T> {
         self.release(seq.id)
             .expect("a running sequence is held by the cache");
         seq.fed = 0;
+        seq.draft.clear();
         seq.started = false;
         self.stats.preemptions += 1;
         self.waiting.push_front(seq);

@@ -59,7 +59,7 @@ fn step(s: &mut Scheduler<HostKvStorage, ()>) -> Vec<usize> {
                 .zip(&feed)
                 .map(|(q, &n)| q.completes_with(n))
                 .collect();
-            s.advance(&feed).expect("advance");
+            s.advance(&feed, &vec![0; feed.len()]).expect("advance");
             for (q, pick) in s.running_mut().iter_mut().zip(picks) {
                 if pick {
                     let next = 1000 + q.id as u32;
@@ -217,14 +217,14 @@ fn step_tokens_are_each_sequences_next_chunk_in_thd_order() {
     assert_eq!(feed, vec![3, 2]);
     // 0's first chunk, then all of 1's prompt; both are still prefilling.
     assert_eq!(s.step_tokens(&feed), (vec![10, 11, 12, 20, 21], true));
-    s.advance(&feed).unwrap();
+    s.advance(&feed, &vec![0; feed.len()]).unwrap();
     s.running_mut()[1].tokens.push(99);
     let Schedule::Step { feed } = s.schedule().unwrap() else {
         panic!("a step")
     };
     assert_eq!(feed, vec![2, 1]);
     assert_eq!(s.step_tokens(&feed), (vec![13, 14, 99], true));
-    s.advance(&feed).unwrap();
+    s.advance(&feed, &vec![0; feed.len()]).unwrap();
     s.running_mut()[0].tokens.push(98);
     s.running_mut()[1].tokens.push(97);
     let Schedule::Step { feed } = s.schedule().unwrap() else {

@@ -63,6 +63,10 @@ pub enum ModelError {
         given: usize,
         planned: usize,
     },
+    /// [`crate::model::Model::forward_tails`] was asked for logit rows the
+    /// step does not have.
+    #[error("logit tails: {0}")]
+    LogitTails(String),
     /// A lock shared between threads (named) was poisoned by a panic.
     #[error("the {0} lock is poisoned")]
     Poisoned(&'static str),

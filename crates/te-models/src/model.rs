@@ -236,9 +236,64 @@ impl Model {
         logits: Logits,
         ws: &'w mut Workspace,
     ) -> Result<&'w [f32]> {
+        let t = tokens.len();
+        self.forward_rows(tokens, cache, ws, |cu, rows| {
+            logit_rows(logits, t, cu, rows);
+            Ok(())
+        })
+    }
+
+    /// [`forward_with`](Self::forward_with) returning the logits of the
+    /// last `tails[b]` tokens of each sequence `b` of the step: f32
+    /// `[sum(tails), vocab]`, sequence after sequence, each in position
+    /// order (speculative verification scores a drafted run and the token
+    /// before it). `tails[b] = 1` everywhere is [`Logits::Last`].
+    ///
+    /// Errors: those of [`forward_with`](Self::forward_with); `tails` not
+    /// one entry per sequence, or an entry 0 or longer than its sequence's
+    /// step.
+    pub fn forward_tails<'w, S: KvStorage + Send>(
+        &self,
+        tokens: &[u32],
+        cache: &mut InferenceParams<S>,
+        tails: &[usize],
+        ws: &'w mut Workspace,
+    ) -> Result<&'w [f32]> {
+        self.forward_rows(tokens, cache, ws, |cu, rows| {
+            rows.clear();
+            if tails.len() + 1 != cu.len() {
+                return Err(ModelError::LogitTails(format!(
+                    "{} logit tails for a step of {} sequences",
+                    tails.len(),
+                    cu.len().saturating_sub(1)
+                )));
+            }
+            for (w, &n) in cu.windows(2).zip(tails) {
+                let (start, end) = (w[0] as usize, w[1] as usize);
+                if n == 0 || n > end - start {
+                    return Err(ModelError::LogitTails(format!(
+                        "a logit tail of {n} rows for a sequence of {} step tokens",
+                        end - start
+                    )));
+                }
+                rows.extend(end - n..end);
+            }
+            Ok(())
+        })
+    }
+
+    /// The CPU forward of the planned step, the rows that get logits chosen
+    /// by `select(cu_seqlens_q, rows)`.
+    fn forward_rows<'w, S: KvStorage + Send>(
+        &self,
+        tokens: &[u32],
+        cache: &mut InferenceParams<S>,
+        ws: &'w mut Workspace,
+        select: impl FnOnce(&[i32], &mut Vec<usize>) -> Result<()>,
+    ) -> Result<&'w [f32]> {
         let plan = planned_step(cache, tokens)?;
         let t = tokens.len();
-        logit_rows(logits, t, plan.cu_seqlens_q(), &mut ws.rows);
+        select(plan.cu_seqlens_q(), &mut ws.rows)?;
         let rows = Rows {
             t,
             rope_cu: plan.cu_seqlens_q(),

@@ -80,6 +80,32 @@ impl Runner {
         }
     }
 
+    /// One step of `tokens: [t]` whose logits are those of the last
+    /// `tails[b]` tokens of each sequence `b` ([`Model::forward_tails`]):
+    /// f32 `[sum(tails), vocab]` (speculative verification). CPU only.
+    ///
+    /// Errors: those of [`Model::forward_tails`]; a GPU runner.
+    pub fn step_tails<'w>(
+        &'w mut self,
+        model: &Model,
+        tokens: &[u32],
+        cache: &mut InferenceParams<KvStore>,
+        tails: &[usize],
+    ) -> Result<&'w [f32]> {
+        match self {
+            Runner::Cpu(ws) => model.forward_tails(tokens, cache, tails, ws),
+            Runner::Cuda(_) => Err(ModelError::Cuda(
+                "logits of several rows per sequence (speculative verification) run on the CPU only"
+                    .into(),
+            )),
+        }
+    }
+
+    /// Whether steps run on the CPU.
+    pub fn is_cpu(&self) -> bool {
+        matches!(self, Runner::Cpu(_))
+    }
+
     /// One step of `tokens: [t]` on rank `cp.cp_rank()` of a
     /// context-parallel group ([`Model::forward_context_parallel`]: the
     /// step's rows placed by `cp`, the same model loop with collectives):

@@ -11,6 +11,8 @@
 //! | `te_sequences_running`, `te_sequences_waiting` | gauge |
 //! | `te_kv_cache_pages_in_use`, `te_kv_cache_pages_total` | gauge |
 //! | `te_engine_preemptions_total` | counter |
+//! | `te_draft_tokens_total`, `te_accepted_tokens_total`, `te_verifications_total` (speculative decoding) | counter |
+//! | `te_draft_acceptance_rate`, `te_draft_mean_accepted_length` | gauge |
 //! | `te_time_to_first_token_seconds` | histogram |
 //! | `te_inter_token_latency_seconds` | histogram |
 
@@ -275,6 +277,43 @@ impl Metrics {
                 "te_prefix_cache_hit_tokens_total {}",
                 e.stats.prefix_hit_tokens
             );
+            for (name, help, value) in [
+                (
+                    "te_draft_tokens_total",
+                    "Drafted tokens verified (speculative decoding).",
+                    e.stats.draft_tokens,
+                ),
+                (
+                    "te_accepted_tokens_total",
+                    "Drafted tokens the model accepted.",
+                    e.stats.accepted_tokens,
+                ),
+                (
+                    "te_verifications_total",
+                    "Steps in which a sequence verified a draft.",
+                    e.stats.verifications,
+                ),
+            ] {
+                counter(&mut out, name, help);
+                let _ = writeln!(out, "{name} {value}");
+            }
+            for (name, help, value) in [
+                (
+                    "te_draft_acceptance_rate",
+                    "Accepted over drafted tokens (0 before any draft).",
+                    e.stats.acceptance_rate(),
+                ),
+                (
+                    "te_draft_mean_accepted_length",
+                    "Accepted drafted tokens per verification (0 before any).",
+                    e.stats.mean_accepted_length(),
+                ),
+            ] {
+                let _ = writeln!(
+                    out,
+                    "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+                );
+            }
         }
         self.ttft.render(
             &mut out,

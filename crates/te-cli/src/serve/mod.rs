@@ -71,6 +71,9 @@ pub struct Args {
     /// Do not share the KV pages of common prompt prefixes.
     #[arg(long)]
     no_prefix_caching: bool,
+    /// Speculative decoding of every request (the server default).
+    #[command(flatten)]
+    draft: crate::draft::DraftArgs,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health
     /// and the chat page's files (repeat for several keys; visible to
     /// other local users in the process list: prefer --api-key-file or
@@ -164,6 +167,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         max_batch_size: args.max_batch_size,
         kv_cache_tokens: args.kv_cache_tokens,
         prefix_caching: !args.no_prefix_caching,
+        speculative: args.draft.config()?,
         ..EngineConfig::default()
     };
     let (handle, commands) = channel();

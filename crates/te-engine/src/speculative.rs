@@ -1,0 +1,337 @@
+//! Speculative decoding by prompt lookup: a decoding sequence proposes the
+//! tokens that followed the last earlier occurrence of its latest `n`
+//! tokens (in its prompt and output so far), the target model scores the
+//! proposal as one chunk of `k + 1` rows inside the ordinary step, and the
+//! sequence keeps the longest prefix the model agrees with plus the
+//! model's own next token; te-cache's `truncate` rolls the rest back.
+//!
+//! # What stays the same
+//!
+//! Each verified position's token is chosen by the sequence's own
+//! [`crate::sampling::Sampler`] from that position's logits row, exactly as
+//! a plain decode step would choose it, and the row's logits are
+//! bit-identical to plain decode's (te's rows do not depend on the batch or
+//! on the step's other rows). A drafted token is accepted when the chosen
+//! token equals it; the first differing token is kept as the model's own
+//! and the rest of the draft dropped.
+//!
+//! - **Greedy**: the tokens are bit-identical to plain greedy decoding.
+//! - **Sampled**: with a point-mass proposal `q = δ(x)` (prompt lookup),
+//!   standard speculative sampling (accept `x` with probability
+//!   `min(1, p(x)/q(x)) = p(x)`, else draw from the normalised residual
+//!   `max(0, p - q)`, i.e. `p` without `x`) gives each token the law `p`;
+//!   drawing `y ~ p` and accepting iff `y = x` (keeping `y` otherwise) is
+//!   that same rule: `P(y = x) = p(x)`, and given `y != x`, `y` has law
+//!   `p(y) / (1 - p(x))`. The engine draws with the plain sampler, one draw
+//!   per position, so a seeded sampled request gives even the same tokens
+//!   as without drafting.
+//!
+//! # How long a draft
+//!
+//! `draft_max: Some(k)` drafts `k` tokens whenever the lookup finds them.
+//! By default the length is adaptive and cost-aware: each sequence keeps
+//! an estimate `alpha` of the probability that a drafted token is
+//! accepted (an exponential average over verified positions; while not
+//! drafting, over whether the lookup's first token would have been the
+//! model's), and the engine keeps a linear fit `seconds = a + b * rows` of
+//! its decode steps. A draft of `k` tokens is expected to yield
+//! `sum_{i=1..k} alpha^i` extra tokens and to cost `b * k` seconds, which
+//! the step's `B` sequences all wait for; the engine drafts the `k` that
+//! maximises `sum alpha^i - B * k * b / (a + b * B)` when that is
+//! positive, and does not draft otherwise (free text, where lookups
+//! rarely hold, then runs as plain decode).
+
+use crate::EngineError;
+
+/// Drafts longer than this are never proposed by the adaptive length.
+pub const ADAPTIVE_DRAFT_MAX: usize = 16;
+
+/// Where drafted tokens come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DraftSource {
+    /// Prompt lookup: the continuation of the last earlier occurrence of
+    /// the latest `n` tokens (llama.cpp's `--draft-ngram`-style lookup).
+    Ngram(usize),
+}
+
+/// Speculative decoding settings of an engine (every request it runs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpeculativeConfig {
+    pub source: DraftSource,
+    /// `Some(k)`: draft `k` tokens whenever the source has them; `None`:
+    /// the adaptive, cost-aware length (module doc), at most
+    /// [`ADAPTIVE_DRAFT_MAX`].
+    pub draft_max: Option<usize>,
+    /// Drafts shorter than this are not verified (plain decode instead).
+    pub draft_min: usize,
+}
+
+impl SpeculativeConfig {
+    /// Prompt lookup of `n`-grams with the adaptive length.
+    pub fn ngram(n: usize) -> Self {
+        SpeculativeConfig {
+            source: DraftSource::Ngram(n),
+            draft_max: None,
+            draft_min: 1,
+        }
+    }
+
+    /// Checks ranges; the error names the setting.
+    pub fn validate(&self) -> Result<(), EngineError> {
+        let DraftSource::Ngram(n) = self.source;
+        let bad = |setting, reason: &str| {
+            Err(EngineError::Setting {
+                setting,
+                reason: reason.into(),
+            })
+        };
+        if n == 0 {
+            return bad("draft_ngram", "must be at least 1");
+        }
+        if self.draft_min == 0 {
+            return bad("draft_min", "must be at least 1");
+        }
+        if self.draft_max == Some(0) {
+            return bad("draft_max", "must be at least 1");
+        }
+        if self.draft_max.is_some_and(|k| k < self.draft_min) {
+            return bad("draft_max", "must be at least draft_min");
+        }
+        Ok(())
+    }
+}
+
+/// Prompt lookup: the `max` tokens that followed the last earlier
+/// occurrence of the final `n` tokens of `tokens` (an occurrence may
+/// overlap the final ones, but not be them), copied as LZ77 copies a
+/// match: where the continuation reaches the end of `tokens` it goes on
+/// with the tokens it has proposed, so a repeating run keeps repeating
+/// (`a b a b` proposes `a b a b ...`). Empty when there is no occurrence.
+pub fn lookup(tokens: &[u32], n: usize, max: usize) -> Vec<u32> {
+    let len = tokens.len();
+    if n == 0 || max == 0 || len <= n {
+        return Vec::new();
+    }
+    let pattern = &tokens[len - n..];
+    // Latest start first; the occurrence at len - n is the pattern itself.
+    let Some(i) = (0..len - n).rev().find(|&i| &tokens[i..i + n] == pattern) else {
+        return Vec::new();
+    };
+    let mut draft: Vec<u32> = Vec::with_capacity(max);
+    for j in i + n..i + n + max {
+        let t = if j < len { tokens[j] } else { draft[j - len] };
+        draft.push(t);
+    }
+    draft
+}
+
+/// The engine's estimate of what a verified row costs: a decayed
+/// least-squares fit `seconds = a + b * rows` over its decode steps.
+#[derive(Clone, Debug)]
+pub(crate) struct CostModel {
+    /// Decayed sums of 1, x, x², y, x·y (x = rows, y = seconds).
+    sums: [f64; 5],
+}
+
+/// The extra cost of one row relative to a one-row step, assumed until
+/// the steps so far vary enough in size to fit one.
+const PRIOR_ROW_COST: f64 = 0.1;
+/// Decay per step of the cost fit's sums.
+const COST_DECAY: f64 = 0.99;
+
+impl CostModel {
+    pub(crate) fn new() -> Self {
+        CostModel { sums: [0.0; 5] }
+    }
+
+    /// Records a decode step of `rows` rows that took `seconds`.
+    pub(crate) fn record(&mut self, rows: usize, seconds: f64) {
+        let x = rows as f64;
+        for (s, v) in self
+            .sums
+            .iter_mut()
+            .zip([1.0, x, x * x, seconds, x * seconds])
+        {
+            *s = *s * COST_DECAY + v;
+        }
+    }
+
+    /// The cost of one more row relative to a step of `batch` rows,
+    /// `b / (a + b * batch)`.
+    pub(crate) fn row_cost(&self, batch: usize) -> f64 {
+        let [n, sx, sxx, sy, sxy] = self.sums;
+        let var = n * sxx - sx * sx;
+        // Too little spread in step sizes (n * var of x below ~1/4 step²).
+        if n < 4.0 || var < 0.25 * n * n {
+            return PRIOR_ROW_COST / (1.0 + PRIOR_ROW_COST * (batch as f64 - 1.0));
+        }
+        let b = ((n * sxy - sx * sy) / var).max(0.0);
+        let a = ((sy - b * sx) / n).max(1e-9);
+        b / (a + b * batch as f64)
+    }
+}
+
+/// One sequence's drafting state.
+#[derive(Clone, Debug)]
+pub(crate) struct Drafter {
+    config: SpeculativeConfig,
+    /// Estimated probability that a drafted token is accepted.
+    alpha: f64,
+    /// The lookup's first token when the last step did not draft (its
+    /// outcome still updates `alpha`).
+    shadow: Option<u32>,
+}
+
+/// Starting estimate of `alpha`.
+const PRIOR_ALPHA: f64 = 0.5;
+/// Weight of one observation in `alpha`.
+const ALPHA_RATE: f64 = 0.15;
+
+impl Drafter {
+    pub(crate) fn new(config: SpeculativeConfig) -> Self {
+        Drafter {
+            config,
+            alpha: PRIOR_ALPHA,
+            shadow: None,
+        }
+    }
+
+    /// The draft for a sequence of `tokens` (its last token not yet fed)
+    /// that may take at most `room` more tokens, in a step of `batch`
+    /// sequences whose rows cost `row_cost` each (relative to the step).
+    pub(crate) fn propose(
+        &mut self,
+        tokens: &[u32],
+        room: usize,
+        batch: usize,
+        row_cost: f64,
+    ) -> Vec<u32> {
+        self.shadow = None;
+        let DraftSource::Ngram(n) = self.config.source;
+        let cap = self
+            .config
+            .draft_max
+            .unwrap_or(ADAPTIVE_DRAFT_MAX)
+            .min(room);
+        let mut found = lookup(tokens, n, cap);
+        let k = match self.config.draft_max {
+            Some(_) => found.len(),
+            None => self.best_len(found.len(), batch, row_cost),
+        };
+        if k < self.config.draft_min || k == 0 {
+            self.shadow = found.first().copied();
+            return Vec::new();
+        }
+        found.truncate(k);
+        found
+    }
+
+    /// The draft length in `0..=available` with the largest expected gain
+    /// (module doc); 0 when none gains.
+    fn best_len(&self, available: usize, batch: usize, row_cost: f64) -> usize {
+        let (mut best, mut best_gain) = (0, 0.0);
+        let (mut yield_, mut p) = (0.0, 1.0);
+        for k in 1..=available {
+            p *= self.alpha;
+            yield_ += p;
+            let gain = yield_ - batch as f64 * k as f64 * row_cost;
+            if gain > best_gain {
+                (best, best_gain) = (k, gain);
+            }
+        }
+        best
+    }
+
+    /// Records a verification: `accepted` of `drafted` tokens kept.
+    pub(crate) fn record(&mut self, drafted: usize, accepted: usize) {
+        for _ in 0..accepted {
+            self.observe(true);
+        }
+        if accepted < drafted {
+            self.observe(false);
+        }
+    }
+
+    /// Records the token a step without a draft produced.
+    pub(crate) fn record_plain(&mut self, token: u32) {
+        if let Some(s) = self.shadow.take() {
+            self.observe(s == token);
+        }
+    }
+
+    fn observe(&mut self, accepted: bool) {
+        self.alpha += ALPHA_RATE * (f64::from(u8::from(accepted)) - self.alpha);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lookup_takes_the_latest_earlier_occurrence() {
+        // "1 2" occurs at 0 and 3; the latest earlier one is at 3, and its
+        // continuation runs past the end into what it proposed.
+        let t = [1, 2, 7, 1, 2, 8, 9, 1, 2];
+        assert_eq!(lookup(&t, 2, 6), [8, 9, 1, 2, 8, 9]);
+        assert_eq!(lookup(&t, 2, 2), [8, 9]);
+        assert!(lookup(&t, 3, 5).is_empty());
+        // Overlapping occurrence: "5 5" at 1; the run keeps repeating.
+        assert_eq!(lookup(&[5, 5, 5], 2, 4), [5, 5, 5, 5]);
+        assert_eq!(lookup(&[3, 4, 3, 4], 1, 5), [3, 4, 3, 4, 3]);
+        assert!(lookup(&[5], 1, 4).is_empty());
+        assert!(lookup(&t, 0, 4).is_empty());
+    }
+
+    #[test]
+    fn adaptive_length_backs_off_when_drafts_fail() {
+        let mut d = Drafter::new(SpeculativeConfig::ngram(1));
+        let t = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 1];
+        assert!(!d.propose(&t, 100, 1, 0.1).is_empty());
+        for _ in 0..30 {
+            d.record(4, 0);
+        }
+        assert!(d.propose(&t, 100, 1, 0.1).is_empty(), "alpha {}", d.alpha);
+        // The lookup's first token keeps being right: drafting resumes
+        // and, accepted, lengthens.
+        let mut lengths = Vec::new();
+        for _ in 0..40 {
+            let k = d.propose(&t, 100, 1, 0.1).len();
+            lengths.push(k);
+            if k == 0 {
+                d.record_plain(2);
+            } else {
+                d.record(k, k);
+            }
+        }
+        assert!(
+            lengths[0] == 0 && lengths.windows(2).all(|w| w[0] <= w[1]),
+            "{lengths:?}"
+        );
+        assert_eq!(d.propose(&t, 100, 1, 0.1).len(), ADAPTIVE_DRAFT_MAX);
+        // A fixed length ignores the estimate.
+        let mut d = Drafter::new(SpeculativeConfig {
+            draft_max: Some(3),
+            ..SpeculativeConfig::ngram(1)
+        });
+        d.alpha = 0.0;
+        assert_eq!(d.propose(&t, 100, 1, 0.1), vec![2, 3, 4]);
+        assert_eq!(d.propose(&t, 2, 1, 0.1), vec![2, 3]);
+    }
+
+    #[test]
+    fn cost_fit_recovers_a_linear_cost() {
+        let mut c = CostModel::new();
+        assert!((c.row_cost(1) - PRIOR_ROW_COST).abs() < 1e-12);
+        for i in 0..50 {
+            let rows = 1 + i % 5;
+            c.record(rows, 0.2 + 0.01 * rows as f64);
+        }
+        // b / (a + b) = 0.01 / 0.21.
+        assert!(
+            (c.row_cost(1) - 0.01 / 0.21).abs() < 1e-9,
+            "{}",
+            c.row_cost(1)
+        );
+    }
+}
