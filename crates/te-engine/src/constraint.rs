@@ -116,6 +116,37 @@ impl Grammars {
         self.compile(TopLevelGrammar::from_json_schema(schema))
     }
 
+    /// A constraint to `prefix`, then JSON valid against `schema` (in the
+    /// style of [`Grammars::json_schema`]), then `suffix`: a tool call
+    /// wrapped in its format's markers.
+    ///
+    /// Errors: as [`Grammars::json_schema`].
+    pub fn json_between(
+        &self,
+        prefix: &str,
+        schema: serde_json::Value,
+        suffix: &str,
+    ) -> Result<TokenConstraint, GrammarError> {
+        let mut schema = match schema {
+            serde_json::Value::Object(_) => schema,
+            _ => return Err(GrammarError("the schema must be an object".into())),
+        };
+        json_style().apply_to(&mut schema);
+        let lit = |s: &str| serde_json::Value::String(s.to_string()).to_string();
+        let mut grammar = String::from("start: ");
+        if !prefix.is_empty() {
+            grammar += &lit(prefix);
+            grammar += " ";
+        }
+        grammar += "body";
+        if !suffix.is_empty() {
+            grammar += " ";
+            grammar += &lit(suffix);
+        }
+        grammar += &format!("\nbody: %json {schema}\n");
+        self.lark(grammar)
+    }
+
     /// A constraint to the language of a Lark grammar (llguidance's
     /// dialect: `%json {schema}` rules embed JSON schemas).
     ///

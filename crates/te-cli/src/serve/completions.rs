@@ -21,17 +21,19 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
+use serde_json::Value;
 use te_engine::constraint::TokenConstraint;
 use te_engine::sampling::SamplingParams;
 use te_engine::{Event, FinishReason, Request, RequestError, Usage};
 use tokio::sync::mpsc;
 
-use super::api::{self, Endpoint, GenerationRequest, Input, Prompt, ResponseFormat};
+use super::api::{self, Endpoint, GenerationRequest, Input, Prompt, ResponseFormat, ToolChoice};
 use super::bridge::{self, Generation, SubmitError};
 use super::error::ApiError;
 use super::metrics::{InFlight, Metrics};
 use super::response::{self, ChoiceOut, Delta, LogprobEntry, Meta, TokenIds};
 use super::state::{unix_now, AppState};
+use super::tools::{self, CallFormat, CallParser, ParsedCall};
 
 /// Default `max_tokens` of `/v1/completions` (OpenAI's).
 const DEFAULT_COMPLETION_TOKENS: usize = 16;
@@ -97,8 +99,8 @@ async fn generate(
     })?;
     let prepared = {
         let s = s.clone();
-        let input = req.input.clone();
-        tokio::task::spawn_blocking(move || prepare(&s, &input))
+        let req = req.clone();
+        tokio::task::spawn_blocking(move || prepare(&s, &req))
             .await
             .map_err(|e| internal(format!("tokenizing failed: {e}")))??
     };
@@ -146,16 +148,13 @@ async fn generate(
             ),
         ));
     }
-    let constraint = match req.response_format.clone() {
-        None => None,
-        Some(format) => {
-            let s = s.clone();
-            Some(
-                tokio::task::spawn_blocking(move || response_constraint(&s, format))
-                    .await
-                    .map_err(|e| internal(format!("compiling the schema failed: {e}")))??,
-            )
-        }
+    let call_format = (req.tool_choice != ToolChoice::None)
+        .then(|| CallFormat::of_template(s.loaded.tokenizer.chat_template()));
+    let constraint = {
+        let (s, req) = (s.clone(), req.clone());
+        tokio::task::spawn_blocking(move || request_constraint(&s, &req, call_format))
+            .await
+            .map_err(|e| internal(format!("compiling the grammar failed: {e}")))??
     };
     let mut choices = Vec::with_capacity(req.n);
     for i in 0..req.n {
@@ -196,6 +195,7 @@ async fn generate(
             last: None,
         },
         choices,
+        call_format,
         _in_flight: in_flight,
     };
     if run.req.stream {
@@ -205,11 +205,65 @@ async fn generate(
     }
 }
 
+/// A call's `tool_calls` object, with a fresh id.
+fn call_object(s: &AppState, c: &ParsedCall) -> Value {
+    serde_json::json!({
+        "id": format!("call_{:016x}", s.random_seed()),
+        "type": "function",
+        "function": {"name": c.name, "arguments": c.arguments},
+    })
+}
+
+/// The streamed pieces of call number `index` of a reply, as OpenAI sends
+/// them: the id, type and name with empty arguments, then the arguments.
+fn call_deltas(s: &AppState, index: usize, c: &ParsedCall) -> [Value; 2] {
+    let whole = call_object(s, c);
+    [
+        serde_json::json!([{
+            "index": index,
+            "id": whole["id"],
+            "type": "function",
+            "function": {"name": c.name, "arguments": ""},
+        }]),
+        serde_json::json!([{"index": index, "function": {"arguments": c.arguments}}]),
+    ]
+}
+
 /// The seed of choice `i` of a request seeded with `seed`: `seed` itself
 /// for the first, then steps of the golden-ratio constant (distinct
 /// streams for every choice).
 pub fn choice_seed(seed: u64, i: usize) -> u64 {
     seed.wrapping_add((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+}
+
+/// The grammar a request's tokens must follow: its `tool_choice`'s
+/// (`required`, a named function) or its `response_format`'s, if any.
+///
+/// Errors: both at once, and those of [`response_constraint`] and
+/// [`tools::constraint`].
+fn request_constraint(
+    s: &AppState,
+    req: &GenerationRequest,
+    call_format: Option<CallFormat>,
+) -> Result<Option<TokenConstraint>, ApiError> {
+    let forced_call = matches!(
+        req.tool_choice,
+        ToolChoice::Required | ToolChoice::Function(_)
+    );
+    match (&req.response_format, call_format) {
+        (Some(_), Some(_)) if forced_call => Err(ApiError::bad_value(
+            "response_format",
+            "Invalid 'response_format': it cannot be combined with a tool_choice that forces a call.",
+        )),
+        (_, Some(format)) if forced_call => {
+            let grammars = s.grammars().map_err(|e| {
+                ApiError::unsupported("tool_choice", &format!("constrained decoding with this model ({e})"))
+            })?;
+            tools::constraint(&grammars, format, &req.tools, &req.tool_choice)
+        }
+        (Some(f), _) => response_constraint(s, f.clone()).map(Some),
+        (None, _) => Ok(None),
+    }
 }
 
 /// The grammar of a `response_format`.
@@ -236,9 +290,9 @@ fn response_constraint(s: &AppState, format: ResponseFormat) -> Result<TokenCons
 }
 
 /// The prompt tokens of `input`.
-fn prepare(s: &AppState, input: &Input) -> Result<Prepared, ApiError> {
+fn prepare(s: &AppState, req: &GenerationRequest) -> Result<Prepared, ApiError> {
     let tokenizer = &s.loaded.tokenizer;
-    match input {
+    match &req.input {
         Input::Completion { prompt, echo } => {
             let (tokens, text) = match prompt {
                 Prompt::Text(t) => (
@@ -261,6 +315,21 @@ fn prepare(s: &AppState, input: &Input) -> Result<Prepared, ApiError> {
             Ok(Prepared {
                 tokens,
                 echo: echo.then_some(text),
+            })
+        }
+        Input::Chat { messages } if req.tool_choice != ToolChoice::None => {
+            let (messages, tools) = tools::prompt(
+                messages,
+                &req.tools,
+                &req.tool_choice,
+                tokenizer.chat_template_supports_tools(),
+                &s.model_name,
+            )?;
+            Ok(Prepared {
+                tokens: tokenizer
+                    .encode_chat_with_tools(&messages, tools.as_deref())
+                    .map_err(|e| ApiError::bad_value("messages", e.to_string()))?,
+                echo: None,
             })
         }
         Input::Chat { messages } => Ok(Prepared {
@@ -297,6 +366,8 @@ struct Run {
     prepared: Prepared,
     timing: Timing,
     choices: Vec<Choice>,
+    /// With tools: how the model writes its calls (parsed from the text).
+    call_format: Option<CallFormat>,
     _in_flight: InFlight,
 }
 
@@ -480,10 +551,33 @@ impl Run {
             }
         }
         let with_logprobs = self.req.sampling.logprobs.is_some();
+        let mut tool_calls: Vec<Option<Value>> = vec![None; n];
+        if let Some(format) = self.call_format {
+            for i in 0..n {
+                let mut parser = CallParser::new(format, &self.req.tools);
+                let mut parsed = parser.push(&texts[i]);
+                let rest = parser.finish();
+                parsed.content.push_str(&rest.content);
+                parsed.calls.extend(rest.calls);
+                if !parsed.calls.is_empty() {
+                    let calls: Vec<Value> = parsed
+                        .calls
+                        .iter()
+                        .map(|c| call_object(&self.s, c))
+                        .collect();
+                    tool_calls[i] = Some(Value::Array(calls));
+                    if finish[i] == "stop" {
+                        finish[i] = "tool_calls";
+                    }
+                }
+                texts[i] = parsed.content;
+            }
+        }
         let choices: Vec<ChoiceOut<'_>> = (0..n)
             .map(|i| ChoiceOut {
                 text: &texts[i],
                 finish: finish[i],
+                tool_calls: tool_calls[i].take(),
                 logprobs: with_logprobs
                     .then(|| response::logprobs(self.meta.endpoint, &entries[i], offset)),
                 ids: self.req.return_token_ids.then_some(TokenIds {
@@ -558,6 +652,30 @@ impl Run {
         };
         let with_logprobs = self.req.sampling.logprobs.is_some();
         let mut usage = UsageSum::default();
+        // With tools: each choice's call parser and calls so far.
+        let mut parsers: Vec<Option<CallParser>> = (0..n)
+            .map(|_| {
+                self.call_format
+                    .map(|f| CallParser::new(f, &self.req.tools))
+            })
+            .collect();
+        let mut calls = vec![0usize; n];
+        // The chunks of the calls `parsed` completed for choice `index`.
+        let call_chunks =
+            |s: &AppState, meta: &Meta, index: usize, first: usize, parsed: &[ParsedCall]| {
+                let mut out = String::new();
+                for (k, c) in parsed.iter().enumerate() {
+                    for piece in call_deltas(s, first + k, c) {
+                        let d = Delta {
+                            index,
+                            tool_calls: Some(piece),
+                            ..Delta::default()
+                        };
+                        out.push_str(&chunk(meta, &d));
+                    }
+                }
+                out
+            };
         loop {
             // A body that hyper dropped (the client went away) ends the
             // request even while no token comes (a long prompt).
@@ -574,8 +692,15 @@ impl Run {
                 } => {
                     let token = [token];
                     held[index].extend(logprobs);
-                    if text.is_empty() && !ids {
-                        continue; // held back (incomplete character or possible stop)
+                    let (text, parsed) = match parsers[index].as_mut() {
+                        Some(p) => {
+                            let r = p.push(&text);
+                            (r.content, r.calls)
+                        }
+                        None => (text, Vec::new()),
+                    };
+                    if text.is_empty() && parsed.is_empty() && !ids {
+                        continue; // held back (incomplete character, possible stop or call)
                     }
                     let d = Delta {
                         index,
@@ -584,7 +709,16 @@ impl Run {
                         logprobs: with_logprobs.then(|| logprobs_of(index, &mut held)),
                         ..Delta::default()
                     };
-                    send(chunk(&self.meta, &d)).await
+                    let mut out = chunk(&self.meta, &d);
+                    out.push_str(&call_chunks(
+                        &self.s,
+                        &self.meta,
+                        index,
+                        calls[index],
+                        &parsed,
+                    ));
+                    calls[index] += parsed.len();
+                    send(out).await
                 }
                 Step::Done {
                     index,
@@ -593,6 +727,16 @@ impl Run {
                     usage: u,
                 } => {
                     usage.add(&u);
+                    let (text, parsed) = match parsers[index].as_mut() {
+                        Some(p) => {
+                            let mut r = p.push(&text);
+                            let rest = p.finish();
+                            r.content.push_str(&rest.content);
+                            r.calls.extend(rest.calls);
+                            (r.content, r.calls)
+                        }
+                        None => (text, Vec::new()),
+                    };
                     let mut out = String::new();
                     if !text.is_empty() || !held[index].is_empty() {
                         let d = Delta {
@@ -603,6 +747,19 @@ impl Run {
                         };
                         out.push_str(&chunk(&self.meta, &d));
                     }
+                    out.push_str(&call_chunks(
+                        &self.s,
+                        &self.meta,
+                        index,
+                        calls[index],
+                        &parsed,
+                    ));
+                    calls[index] += parsed.len();
+                    let reason = if calls[index] > 0 && reason == "stop" {
+                        "tool_calls"
+                    } else {
+                        reason
+                    };
                     let last = Delta {
                         index,
                         finish: Some(reason),

@@ -30,6 +30,7 @@ mod metrics;
 mod response;
 mod routes;
 mod state;
+mod tools;
 
 use std::future::IntoFuture;
 use std::sync::atomic::{AtomicBool, Ordering};
