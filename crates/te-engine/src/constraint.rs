@@ -165,7 +165,7 @@ impl Grammars {
             return Err(GrammarError(e));
         }
         Ok(TokenConstraint {
-            matcher,
+            matcher: Box::new(matcher),
             eos_ids: self.eos_ids.clone(),
             trie_eos: self.factory.tok_env().tok_trie().eos_token(),
         })
@@ -188,7 +188,8 @@ fn json_style() -> JsonCompileOptions {
 /// One sequence's grammar state (see the module doc).
 #[derive(Clone)]
 pub struct TokenConstraint {
-    matcher: Matcher,
+    /// (Boxed: a matcher is large, and requests travel by value.)
+    matcher: Box<Matcher>,
     eos_ids: Arc<[u32]>,
     /// The end token llguidance knows.
     trie_eos: u32,

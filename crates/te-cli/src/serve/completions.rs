@@ -435,6 +435,10 @@ impl Run {
     /// The next step of any unfinished choice, or a failure on
     /// cancellation (shutdown grace over) or when the engine stopped.
     async fn next(&mut self) -> Step {
+        if self.all_done() {
+            // (Callers stop at the last `Done`; `select_all` needs a future.)
+            return Step::Failed(internal("every choice has finished".into()));
+        }
         let mut cancel = self.s.cancel.clone();
         let pending = self
             .choices
