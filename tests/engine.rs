@@ -72,7 +72,9 @@ fn run(engine: &mut Engine, requests: &[Request]) -> Vec<(Vec<u32>, String, Fini
     let slot = |id: u64| ids.iter().position(|&i| i == id).unwrap();
     engine
         .run_to_completion(|e| match e {
-            Event::Token { id, token, text } => {
+            Event::Token {
+                id, token, text, ..
+            } => {
                 let o = &mut out[slot(id)];
                 o.0.push(token);
                 o.1.push_str(&text);

@@ -2,8 +2,9 @@
 //! package (completions and chat, streaming and not, equal to `te
 //! generate`; usage; 32 concurrent streams with 8 clients leaving midway;
 //! bad requests beside a good client) and the chat page in headless
-//! Chromium (tests/serve/*.py), structured outputs (JSON schemas) on
-//! SmolLM2 and Qwen2.5-Coder-0.5B, and graceful shutdown on SIGTERM.
+//! Chromium (tests/serve/*.py), structured outputs (JSON schemas) and tool
+//! calls on SmolLM2 and Qwen2.5-Coder-0.5B, and graceful shutdown on
+//! SIGTERM.
 //!
 //! The Python tests need `openai` and `selenium` (tests/serve/requirements.txt)
 //! and Debian's `chromium` and `chromium-driver`; `.ci/run` installs them.
@@ -193,17 +194,19 @@ fn openai_package_against_te_serve() {
     );
 }
 
-/// Structured outputs (tests/serve/structured.py) on SmolLM2-135M and
-/// Qwen2.5-Coder-0.5B.
+/// Structured outputs (tests/serve/structured.py) and tool calls
+/// (tests/serve/tools.py) on SmolLM2-135M (its template has no tools:
+/// forced calls only) and Qwen2.5-Coder-0.5B (its template's tools).
 #[test]
-fn structured_outputs_on_smollm2_and_qwen() {
+fn structured_outputs_and_tool_calls_on_smollm2_and_qwen() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     if !have(&["openai", "jsonschema"], &[]) {
         return;
     }
-    for model in [MODEL, "qwen2.5-coder-0.5b"] {
+    for (model, tools) in [(MODEL, "required"), ("qwen2.5-coder-0.5b", "full")] {
         let server = Server::start_model(model, &["--api-key", API_KEY, "--max-batch-size", "32"]);
         run_python("structured.py", &[&server.url(), API_KEY, model]);
+        run_python("tools.py", &[&server.url(), API_KEY, model, tools]);
     }
 }
 

@@ -116,6 +116,37 @@ impl Grammars {
         self.compile(TopLevelGrammar::from_json_schema(schema))
     }
 
+    /// A constraint to `prefix`, then JSON valid against `schema` (in the
+    /// style of [`Grammars::json_schema`]), then `suffix`: a tool call
+    /// wrapped in its format's markers.
+    ///
+    /// Errors: as [`Grammars::json_schema`].
+    pub fn json_between(
+        &self,
+        prefix: &str,
+        schema: serde_json::Value,
+        suffix: &str,
+    ) -> Result<TokenConstraint, GrammarError> {
+        let mut schema = match schema {
+            serde_json::Value::Object(_) => schema,
+            _ => return Err(GrammarError("the schema must be an object".into())),
+        };
+        json_style().apply_to(&mut schema);
+        let lit = |s: &str| serde_json::Value::String(s.to_string()).to_string();
+        let mut grammar = String::from("start: ");
+        if !prefix.is_empty() {
+            grammar += &lit(prefix);
+            grammar += " ";
+        }
+        grammar += "body";
+        if !suffix.is_empty() {
+            grammar += " ";
+            grammar += &lit(suffix);
+        }
+        grammar += &format!("\nbody: %json {schema}\n");
+        self.lark(grammar)
+    }
+
     /// A constraint to the language of a Lark grammar (llguidance's
     /// dialect: `%json {schema}` rules embed JSON schemas).
     ///
@@ -134,7 +165,7 @@ impl Grammars {
             return Err(GrammarError(e));
         }
         Ok(TokenConstraint {
-            matcher,
+            matcher: Box::new(matcher),
             eos_ids: self.eos_ids.clone(),
             trie_eos: self.factory.tok_env().tok_trie().eos_token(),
         })
@@ -157,7 +188,8 @@ fn json_style() -> JsonCompileOptions {
 /// One sequence's grammar state (see the module doc).
 #[derive(Clone)]
 pub struct TokenConstraint {
-    matcher: Matcher,
+    /// (Boxed: a matcher is large, and requests travel by value.)
+    matcher: Box<Matcher>,
     eos_ids: Arc<[u32]>,
     /// The end token llguidance knows.
     trie_eos: u32,

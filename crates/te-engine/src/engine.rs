@@ -75,9 +75,9 @@ use te_models::model::{Model, StepOutput};
 use te_models::runner::Runner;
 use te_tokenizer::Tokenizer;
 
-use crate::output::{Event, FinishReason, TokenLogprobs, Usage};
+use crate::output::{Event, FinishReason, Usage};
 use crate::request::{invalid, Request, RequestError, RequestId};
-use crate::sampling::Sampler;
+use crate::sampling::{Sampler, TokenLogprobs};
 use crate::scheduler::{Schedule, Scheduler, SchedulerConfig, SeqState};
 use crate::speculative::{CostModel, Drafter, SpeculativeConfig};
 use crate::text::TextState;

@@ -34,5 +34,6 @@ mod text;
 pub use driver::{channel, Command, EngineHandle, EngineStopped};
 pub use engine::{Engine, EngineConfig, EngineSnapshot, EngineStats, RankKv};
 pub use error::{EngineError, Result};
-pub use output::{Event, FinishReason, TokenLogprobs, Usage};
+pub use output::{Event, FinishReason, Usage};
 pub use request::{Request, RequestError, RequestId};
+pub use sampling::TokenLogprobs;

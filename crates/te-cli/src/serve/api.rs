@@ -68,7 +68,29 @@ pub struct GenerationRequest {
     /// vLLM's `cache_salt`: the prompt shares cached pages only with
     /// requests of the same salt.
     pub cache_salt: Option<String>,
+    /// Chat's `tools`: `{"type": "function", "function": {"name",
+    /// "description"?, "parameters"}}` (parameters defaulted to any
+    /// object).
+    pub tools: Vec<Value>,
+    /// Whether and how the model calls them (`None` without tools).
+    pub tool_choice: ToolChoice,
 }
+
+/// `tool_choice`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ToolChoice {
+    /// No call: the tools are not shown to the model.
+    None,
+    /// The model decides; calls are parsed from its output.
+    Auto,
+    /// Exactly one call of a listed function (constrained decoding).
+    Required,
+    /// Exactly one call of this function (constrained decoding).
+    Function(String),
+}
+
+/// Most `tools` per request.
+pub const MAX_TOOLS: usize = 64;
 
 /// A `response_format` other than text.
 #[derive(Clone, Debug, PartialEq)]
@@ -154,6 +176,7 @@ pub fn parse(
         .ok_or_else(|| missing("model"))?
         .to_string();
     let mut logprobs = None;
+    let (mut tools, mut tool_choice) = (Vec::new(), ToolChoice::None);
     let input = match endpoint {
         Endpoint::Completions => {
             let prompt = parse_prompt(obj.get("prompt").unwrap_or(&Value::Null))?;
@@ -190,21 +213,18 @@ pub fn parse(
                     "Invalid 'top_logprobs': 'logprobs' must be set to true when 'top_logprobs' is used.",
                 ));
             }
-            for name in ["tools", "functions"] {
-                match f.get(name) {
-                    None => {}
-                    Some(Value::Array(a)) if a.is_empty() => {}
-                    Some(Value::Array(_)) => {
-                        return Err(ApiError::unsupported(name, "tool calling"))
-                    }
-                    Some(v) => return Err(ApiError::wrong_type(name, "an array", v)),
+            match f.get("functions") {
+                None => {}
+                Some(Value::Array(a)) if a.is_empty() => {}
+                Some(_) => {
+                    return Err(ApiError::unsupported(
+                        "functions",
+                        "the deprecated 'functions' (use 'tools')",
+                    ))
                 }
             }
-            match f.get("tool_choice") {
-                None => {}
-                Some(Value::String(s)) if s == "none" || s == "auto" => {}
-                Some(_) => return Err(ApiError::unsupported("tool_choice", "tool calling")),
-            }
+            tools = parse_tools(f.get("tools"))?;
+            tool_choice = parse_tool_choice(f.get("tool_choice"), &tools)?;
             if let Some(Value::Array(m)) = f.get("modalities") {
                 if m.iter().any(|x| x.as_str() != Some("text")) {
                     return Err(ApiError::unsupported(
@@ -347,6 +367,8 @@ pub fn parse(
             }
             Some(v) => return Err(ApiError::wrong_type("cache_salt", "a string", v)),
         },
+        tools,
+        tool_choice,
     })
 }
 
@@ -639,8 +661,12 @@ fn parse_messages(v: &Value) -> Result<Vec<ChatMessage>, ApiError> {
             "system" | "developer" => "system",
             "user" => "user",
             "assistant" => "assistant",
-            "tool" | "function" => {
-                return Err(ApiError::unsupported(&format!("{param}.role"), "tool messages"))
+            "tool" => "tool",
+            "function" => {
+                return Err(ApiError::unsupported(
+                    &format!("{param}.role"),
+                    "the deprecated 'function' role (use 'tool')",
+                ))
             }
             other => {
                 return Err(ApiError::bad_value(
@@ -654,7 +680,7 @@ fn parse_messages(v: &Value) -> Result<Vec<ChatMessage>, ApiError> {
         let content_param = format!("{param}.content");
         let content = match obj.get("content") {
             Some(Value::String(s)) => s.clone(),
-            // An assistant turn may come without content.
+            // An assistant turn may come without content (calling tools).
             None | Some(Value::Null) if role == "assistant" => String::new(),
             None | Some(Value::Null) => return Err(missing(&content_param)),
             Some(Value::Array(parts)) => {
@@ -686,15 +712,205 @@ fn parse_messages(v: &Value) -> Result<Vec<ChatMessage>, ApiError> {
                 ))
             }
         };
-        if obj.get("tool_calls").is_some_and(|t| !t.is_null()) {
-            return Err(ApiError::unsupported(
-                &format!("{param}.tool_calls"),
-                "tool calls",
-            ));
+        let mut message = ChatMessage::new(role, &content);
+        if let Some(calls) = obj.get("tool_calls").filter(|t| !t.is_null()) {
+            if role != "assistant" {
+                return Err(ApiError::bad_value(
+                    &format!("{param}.tool_calls"),
+                    "Only assistant messages may have 'tool_calls'.",
+                ));
+            }
+            message.tool_calls = Some(parse_tool_calls(&format!("{param}.tool_calls"), calls)?);
+            if content.is_empty() {
+                message.content = None;
+            }
         }
-        out.push(ChatMessage::new(role, &content));
+        if role == "tool" {
+            match obj.get("tool_call_id") {
+                Some(Value::String(id)) => message.tool_call_id = Some(id.clone()),
+                None | Some(Value::Null) => return Err(missing(&format!("{param}.tool_call_id"))),
+                Some(v) => {
+                    return Err(ApiError::wrong_type(
+                        &format!("{param}.tool_call_id"),
+                        "a string",
+                        v,
+                    ))
+                }
+            }
+            if let Some(Value::String(name)) = obj.get("name") {
+                message.name = Some(name.clone());
+            }
+        }
+        out.push(message);
     }
     Ok(out)
+}
+
+/// An assistant message's `tool_calls`, as templates read them: each
+/// `{"id", "type": "function", "function": {"name", "arguments"}}` with
+/// `arguments` (a JSON string in OpenAI's API) parsed into its object.
+fn parse_tool_calls(param: &str, v: &Value) -> Result<Value, ApiError> {
+    let Value::Array(calls) = v else {
+        return Err(ApiError::wrong_type(param, "an array", v));
+    };
+    let mut out = Vec::with_capacity(calls.len());
+    for (i, call) in calls.iter().enumerate() {
+        let p = format!("{param}[{i}].function");
+        let f = call.get("function").ok_or_else(|| missing(&p))?;
+        let name = f
+            .get("name")
+            .and_then(Value::as_str)
+            .ok_or_else(|| missing(&format!("{p}.name")))?;
+        let arguments = match f.get("arguments") {
+            None | Some(Value::Null) => Value::Object(Map::new()),
+            Some(Value::String(a)) => serde_json::from_str(a).map_err(|e| {
+                ApiError::bad_value(
+                    &format!("{p}.arguments"),
+                    format!("Invalid '{p}.arguments': not JSON ({e})."),
+                )
+            })?,
+            Some(a) => a.clone(),
+        };
+        let mut c = serde_json::json!({
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        });
+        if let Some(id) = call.get("id").and_then(Value::as_str) {
+            c["id"] = Value::String(id.to_string());
+        }
+        out.push(c);
+    }
+    Ok(Value::Array(out))
+}
+
+/// `tools`: at most [`MAX_TOOLS`] `{"type": "function", "function":
+/// {"name", "description"?, "parameters"?}}`, names unique and of
+/// `[A-Za-z0-9_-]{1,64}`, parameters a JSON schema within the limits of
+/// [`schema_limits`] (absent: any object).
+fn parse_tools(v: Option<&Value>) -> Result<Vec<Value>, ApiError> {
+    let tools = match v {
+        None => return Ok(Vec::new()),
+        Some(Value::Array(a)) => a,
+        Some(v) => return Err(ApiError::wrong_type("tools", "an array", v)),
+    };
+    if tools.len() > MAX_TOOLS {
+        return Err(ApiError::bad_value(
+            "tools",
+            format!(
+                "Invalid 'tools': array too long. Expected an array with maximum length {MAX_TOOLS}, but got an array with length {} instead.",
+                tools.len()
+            ),
+        ));
+    }
+    let mut out: Vec<Value> = Vec::with_capacity(tools.len());
+    for (i, t) in tools.iter().enumerate() {
+        let param = format!("tools[{i}]");
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(ApiError::bad_value(
+                &format!("{param}.type"),
+                format!("Invalid '{param}.type': only 'function' tools are supported."),
+            ));
+        }
+        let f = match t.get("function") {
+            Some(Value::Object(f)) => f,
+            None | Some(Value::Null) => return Err(missing(&format!("{param}.function"))),
+            Some(v) => {
+                return Err(ApiError::wrong_type(
+                    &format!("{param}.function"),
+                    "an object",
+                    v,
+                ))
+            }
+        };
+        let name_param = format!("{param}.function.name");
+        let name = match f.get("name") {
+            Some(Value::String(n)) => n,
+            None | Some(Value::Null) => return Err(missing(&name_param)),
+            Some(v) => return Err(ApiError::wrong_type(&name_param, "a string", v)),
+        };
+        let valid = !name.is_empty()
+            && name.len() <= 64
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        if !valid {
+            return Err(ApiError::bad_value(
+                &name_param,
+                format!("Invalid '{name_param}': '{name}' does not match ^[a-zA-Z0-9_-]{{1,64}}$."),
+            ));
+        }
+        if out.iter().any(|o| o["function"]["name"] == name.as_str()) {
+            return Err(ApiError::bad_value(
+                &name_param,
+                format!("Invalid '{name_param}': the function '{name}' is listed twice."),
+            ));
+        }
+        let params_param = format!("{param}.function.parameters");
+        let mut function = Map::new();
+        function.insert("name".into(), Value::String(name.clone()));
+        if let Some(d) = f.get("description").filter(|d| !d.is_null()) {
+            if !d.is_string() {
+                return Err(ApiError::wrong_type(
+                    &format!("{param}.function.description"),
+                    "a string",
+                    d,
+                ));
+            }
+            function.insert("description".into(), d.clone());
+        }
+        let parameters = match f.get("parameters") {
+            None | Some(Value::Null) => serde_json::json!({"type": "object", "properties": {}}),
+            Some(p @ Value::Object(_)) => p.clone(),
+            Some(v) => return Err(ApiError::wrong_type(&params_param, "an object", v)),
+        };
+        schema_limits(&params_param, &parameters)?;
+        function.insert("parameters".into(), parameters);
+        out.push(serde_json::json!({"type": "function", "function": function}));
+    }
+    Ok(out)
+}
+
+/// `tool_choice` against the listed `tools`: the default is `auto` with
+/// tools and `none` without.
+fn parse_tool_choice(v: Option<&Value>, tools: &[Value]) -> Result<ToolChoice, ApiError> {
+    let name = "tool_choice";
+    let choice = match v {
+        None => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(ApiError::bad_value(
+                    name,
+                    format!("Invalid 'tool_choice': '{other}'. Supported values are: 'none', 'auto', 'required' and a named function."),
+                ))
+            }
+        },
+        Some(Value::Object(o)) => {
+            let f = o
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .ok_or_else(|| missing("tool_choice.function.name"))?;
+            if !tools.iter().any(|t| t["function"]["name"] == f) {
+                return Err(ApiError::bad_value(
+                    name,
+                    format!("Invalid 'tool_choice': the function '{f}' is not among 'tools'."),
+                ));
+            }
+            ToolChoice::Function(f.to_string())
+        }
+        Some(v) => return Err(ApiError::wrong_type(name, "a string or an object", v)),
+    };
+    match choice {
+        ToolChoice::Required if tools.is_empty() => Err(ApiError::bad_value(
+            name,
+            "Invalid 'tool_choice': 'required' needs 'tools'.",
+        )),
+        _ if tools.is_empty() => Ok(ToolChoice::None),
+        c => Ok(c),
+    }
 }
 
 /// `stop`: null, a string, or a list of at most [`MAX_STOP`] strings.
@@ -886,11 +1102,9 @@ mod tests {
                 json!({"include_usage": true}),
                 "invalid_value",
             ),
-            (
-                "tools",
-                json!([{"type": "function"}]),
-                "unsupported_parameter",
-            ),
+            ("tools", json!({"type": "function"}), "invalid_type"),
+            ("tool_choice", json!("required"), "invalid_value"),
+            ("tool_choice", json!("sometimes"), "invalid_value"),
             ("presence_penalty", json!(3), "invalid_value"),
             ("model", json!(3), "invalid_type"),
         ];
@@ -904,6 +1118,76 @@ mod tests {
         }
         let msg = with("temperature", json!(5)).unwrap_err().message;
         assert!(msg.contains("<= 2"), "{msg}");
+    }
+
+    #[test]
+    fn tools_and_tool_messages() {
+        let weather = json!({"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}});
+        let body = |tools: Value, choice: Value| {
+            json!({"model": "m", "tools": tools, "tool_choice": choice, "messages": [
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            ]})
+        };
+        let r = chat(body(
+            json!([weather]),
+            json!({"type": "function", "function": {"name": "get_weather"}}),
+        ))
+        .unwrap();
+        assert_eq!(r.tool_choice, ToolChoice::Function("get_weather".into()));
+        assert_eq!(r.tools[0]["function"]["name"], "get_weather");
+        let Input::Chat { messages } = &r.input else {
+            panic!("chat")
+        };
+        // Arguments reach the template as an object; the tool result keeps its id.
+        assert_eq!(
+            messages[1].tool_calls.as_ref().unwrap()[0]["function"]["arguments"],
+            json!({"city": "Paris"})
+        );
+        assert_eq!(messages[1].content, None);
+        assert_eq!(messages[2].tool_call_id.as_deref(), Some("call_1"));
+        assert_eq!(
+            chat(body(json!([weather]), Value::Null))
+                .unwrap()
+                .tool_choice,
+            ToolChoice::Auto
+        );
+        assert_eq!(
+            chat(body(json!([]), json!("auto"))).unwrap().tool_choice,
+            ToolChoice::None
+        );
+        let bad_name = json!([{"type": "function", "function": {"name": "get weather"}}]);
+        let twice = json!([weather, weather]);
+        let many: Vec<Value> = (0..65)
+            .map(|i| json!({"type": "function", "function": {"name": format!("f{i}")}}))
+            .collect();
+        for (tools, choice, param) in [
+            (
+                json!([weather]),
+                json!({"type": "function", "function": {"name": "nope"}}),
+                "tool_choice",
+            ),
+            (bad_name, json!("auto"), "tools[0].function.name"),
+            (twice, json!("auto"), "tools[1].function.name"),
+            (json!(many), json!("auto"), "tools"),
+            (
+                json!([{"type": "retrieval"}]),
+                json!("auto"),
+                "tools[0].type",
+            ),
+            (
+                json!([{"type": "function", "function": {"name": "f", "parameters": 3}}]),
+                json!("auto"),
+                "tools[0].function.parameters",
+            ),
+        ] {
+            assert_eq!(err_param(chat(body(tools, choice))).0, param);
+        }
+        let no_id = json!({"model": "m", "messages": [{"role": "tool", "content": "x"}]});
+        assert_eq!(err_param(chat(no_id)).0, "messages[0].tool_call_id");
     }
 
     #[test]
@@ -929,7 +1213,7 @@ mod tests {
             Some(ResponseFormat::JsonSchema(schema))
         );
         let mut deep = json!({"type": "string"});
-        for _ in 0..13 {
+        for _ in 0..30 {
             deep = json!({"type": "array", "items": deep});
         }
         let big: Map<String, Value> = (0..2000)
@@ -990,7 +1274,7 @@ mod tests {
                 "messages[0].role",
             ),
             (
-                json!([{"role": "tool", "content": "x"}]),
+                json!([{"role": "function", "content": "x"}]),
                 "messages[0].role",
             ),
             (json!([{"role": "user"}]), "messages[0].content"),

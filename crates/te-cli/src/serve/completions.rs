@@ -21,18 +21,20 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::{Extension, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
+use serde_json::Value;
 use te_engine::constraint::TokenConstraint;
 use te_engine::sampling::SamplingParams;
 use te_engine::{Event, FinishReason, Request, RequestError, Usage};
 use te_tokenizer::TokenizerError;
 use tokio::sync::mpsc;
 
-use super::api::{self, Endpoint, GenerationRequest, Input, Prompt, ResponseFormat};
+use super::api::{self, Endpoint, GenerationRequest, Input, Prompt, ResponseFormat, ToolChoice};
 use super::bridge::{self, Generation, SubmitError};
 use super::error::ApiError;
 use super::metrics::{InFlight, Metrics};
 use super::response::{self, ChoiceOut, Delta, LogprobEntry, Meta, TokenIds};
 use super::state::{unix_now, AppState, ClientKey};
+use super::tools::{self, CallFormat, CallParser, ParsedCall};
 
 /// Default `max_tokens` of `/v1/completions` (OpenAI's).
 const DEFAULT_COMPLETION_TOKENS: usize = 16;
@@ -110,7 +112,7 @@ async fn generate(
     let large = body.len() >= LARGE_BODY_BYTES;
     let (prepared, in_flight) = {
         let s = s.clone();
-        let input = req.input.clone();
+        let input = req.clone();
         tokio::task::spawn_blocking(move || {
             let prepared = prepare(&s, &input);
             drop(input);
@@ -175,16 +177,13 @@ async fn generate(
             ),
         ));
     }
-    let constraint = match req.response_format.clone() {
-        None => None,
-        Some(format) => {
-            let s = s.clone();
-            Some(
-                tokio::task::spawn_blocking(move || response_constraint(&s, format))
-                    .await
-                    .map_err(|e| internal(format!("compiling the schema failed: {e}")))??,
-            )
-        }
+    let call_format = (req.tool_choice != ToolChoice::None)
+        .then(|| CallFormat::of_template(s.loaded.tokenizer.chat_template()));
+    let constraint = {
+        let (s, req) = (s.clone(), req.clone());
+        tokio::task::spawn_blocking(move || request_constraint(&s, &req, call_format))
+            .await
+            .map_err(|e| internal(format!("compiling the grammar failed: {e}")))??
     };
     let cache_salt = s.cache_salt(key, req.cache_salt.as_deref());
     let mut choices = Vec::with_capacity(req.n);
@@ -227,6 +226,7 @@ async fn generate(
             last: None,
         },
         choices,
+        call_format,
         _in_flight: in_flight,
     };
     if run.req.stream {
@@ -236,11 +236,65 @@ async fn generate(
     }
 }
 
+/// A call's `tool_calls` object, with a fresh id.
+fn call_object(s: &AppState, c: &ParsedCall) -> Value {
+    serde_json::json!({
+        "id": format!("call_{:016x}", s.random_seed()),
+        "type": "function",
+        "function": {"name": c.name, "arguments": c.arguments},
+    })
+}
+
+/// The streamed pieces of call number `index` of a reply, as OpenAI sends
+/// them: the id, type and name with empty arguments, then the arguments.
+fn call_deltas(s: &AppState, index: usize, c: &ParsedCall) -> [Value; 2] {
+    let whole = call_object(s, c);
+    [
+        serde_json::json!([{
+            "index": index,
+            "id": whole["id"],
+            "type": "function",
+            "function": {"name": c.name, "arguments": ""},
+        }]),
+        serde_json::json!([{"index": index, "function": {"arguments": c.arguments}}]),
+    ]
+}
+
 /// The seed of choice `i` of a request seeded with `seed`: `seed` itself
 /// for the first, then steps of the golden-ratio constant (distinct
 /// streams for every choice).
 pub fn choice_seed(seed: u64, i: usize) -> u64 {
     seed.wrapping_add((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+}
+
+/// The grammar a request's tokens must follow: its `tool_choice`'s
+/// (`required`, a named function) or its `response_format`'s, if any.
+///
+/// Errors: both at once, and those of [`response_constraint`] and
+/// [`tools::constraint`].
+fn request_constraint(
+    s: &AppState,
+    req: &GenerationRequest,
+    call_format: Option<CallFormat>,
+) -> Result<Option<TokenConstraint>, ApiError> {
+    let forced_call = matches!(
+        req.tool_choice,
+        ToolChoice::Required | ToolChoice::Function(_)
+    );
+    match (&req.response_format, call_format) {
+        (Some(_), Some(_)) if forced_call => Err(ApiError::bad_value(
+            "response_format",
+            "Invalid 'response_format': it cannot be combined with a tool_choice that forces a call.",
+        )),
+        (_, Some(format)) if forced_call => {
+            let grammars = s.grammars().map_err(|e| {
+                ApiError::unsupported("tool_choice", &format!("constrained decoding with this model ({e})"))
+            })?;
+            tools::constraint(&grammars, format, &req.tools, &req.tool_choice)
+        }
+        (Some(f), _) => response_constraint(s, f.clone()).map(Some),
+        (None, _) => Ok(None),
+    }
 }
 
 /// The grammar of a `response_format`.
@@ -270,7 +324,7 @@ fn response_constraint(s: &AppState, format: ResponseFormat) -> Result<TokenCons
 ///
 /// Encoding stops once the prompt cannot fit the context (one token is
 /// left for the completion).
-fn prepare(s: &AppState, input: &Input) -> Result<Prepared, ApiError> {
+fn prepare(s: &AppState, req: &GenerationRequest) -> Result<Prepared, ApiError> {
     let tokenizer = &s.loaded.tokenizer;
     let limit = s.context_tokens.saturating_sub(1);
     let failed = |param: &str, e: TokenizerError| match e {
@@ -284,7 +338,7 @@ fn prepare(s: &AppState, input: &Input) -> Result<Prepared, ApiError> {
         ),
         e => ApiError::bad_value(param, e.to_string()),
     };
-    match input {
+    match &req.input {
         Input::Completion { prompt, echo } => {
             let (tokens, text) = match prompt {
                 Prompt::Text(t) => (
@@ -316,6 +370,21 @@ fn prepare(s: &AppState, input: &Input) -> Result<Prepared, ApiError> {
             Ok(Prepared {
                 tokens,
                 echo: echo.then_some(text),
+            })
+        }
+        Input::Chat { messages } if req.tool_choice != ToolChoice::None => {
+            let (messages, tools) = tools::prompt(
+                messages,
+                &req.tools,
+                &req.tool_choice,
+                tokenizer.chat_template_supports_tools(),
+                &s.model_name,
+            )?;
+            Ok(Prepared {
+                tokens: tokenizer
+                    .encode_chat_limited(&messages, tools.as_deref(), limit)
+                    .map_err(|e| failed("messages", e))?,
+                echo: None,
             })
         }
         Input::Chat { messages } => Ok(Prepared {
@@ -352,6 +421,8 @@ struct Run {
     prepared: Prepared,
     timing: Timing,
     choices: Vec<Choice>,
+    /// With tools: how the model writes its calls (parsed from the text).
+    call_format: Option<CallFormat>,
     _in_flight: InFlight,
 }
 
@@ -419,6 +490,10 @@ impl Run {
     /// The next step of any unfinished choice, or a failure on
     /// cancellation (shutdown grace over) or when the engine stopped.
     async fn next(&mut self) -> Step {
+        if self.all_done() {
+            // (Callers stop at the last `Done`; `select_all` needs a future.)
+            return Step::Failed(internal("every choice has finished".into()));
+        }
         let mut cancel = self.s.cancel.clone();
         let pending = self
             .choices
@@ -535,10 +610,33 @@ impl Run {
             }
         }
         let with_logprobs = self.req.sampling.logprobs.is_some();
+        let mut tool_calls: Vec<Option<Value>> = vec![None; n];
+        if let Some(format) = self.call_format {
+            for i in 0..n {
+                let mut parser = CallParser::new(format, &self.req.tools);
+                let mut parsed = parser.push(&texts[i]);
+                let rest = parser.finish();
+                parsed.content.push_str(&rest.content);
+                parsed.calls.extend(rest.calls);
+                if !parsed.calls.is_empty() {
+                    let calls: Vec<Value> = parsed
+                        .calls
+                        .iter()
+                        .map(|c| call_object(&self.s, c))
+                        .collect();
+                    tool_calls[i] = Some(Value::Array(calls));
+                    if finish[i] == "stop" {
+                        finish[i] = "tool_calls";
+                    }
+                }
+                texts[i] = parsed.content;
+            }
+        }
         let choices: Vec<ChoiceOut<'_>> = (0..n)
             .map(|i| ChoiceOut {
                 text: &texts[i],
                 finish: finish[i],
+                tool_calls: tool_calls[i].take(),
                 logprobs: with_logprobs
                     .then(|| response::logprobs(self.meta.endpoint, &entries[i], offset)),
                 ids: self.req.return_token_ids.then_some(TokenIds {
@@ -613,6 +711,30 @@ impl Run {
         };
         let with_logprobs = self.req.sampling.logprobs.is_some();
         let mut usage = UsageSum::default();
+        // With tools: each choice's call parser and calls so far.
+        let mut parsers: Vec<Option<CallParser>> = (0..n)
+            .map(|_| {
+                self.call_format
+                    .map(|f| CallParser::new(f, &self.req.tools))
+            })
+            .collect();
+        let mut calls = vec![0usize; n];
+        // The chunks of the calls `parsed` completed for choice `index`.
+        let call_chunks =
+            |s: &AppState, meta: &Meta, index: usize, first: usize, parsed: &[ParsedCall]| {
+                let mut out = String::new();
+                for (k, c) in parsed.iter().enumerate() {
+                    for piece in call_deltas(s, first + k, c) {
+                        let d = Delta {
+                            index,
+                            tool_calls: Some(piece),
+                            ..Delta::default()
+                        };
+                        out.push_str(&chunk(meta, &d));
+                    }
+                }
+                out
+            };
         loop {
             // A body that hyper dropped (the client went away) ends the
             // request even while no token comes (a long prompt).
@@ -629,8 +751,15 @@ impl Run {
                 } => {
                     let token = [token];
                     held[index].extend(logprobs);
-                    if text.is_empty() && !ids {
-                        continue; // held back (incomplete character or possible stop)
+                    let (text, parsed) = match parsers[index].as_mut() {
+                        Some(p) => {
+                            let r = p.push(&text);
+                            (r.content, r.calls)
+                        }
+                        None => (text, Vec::new()),
+                    };
+                    if text.is_empty() && parsed.is_empty() && !ids {
+                        continue; // held back (incomplete character, possible stop or call)
                     }
                     let d = Delta {
                         index,
@@ -639,7 +768,16 @@ impl Run {
                         logprobs: with_logprobs.then(|| logprobs_of(index, &mut held)),
                         ..Delta::default()
                     };
-                    send(chunk(&self.meta, &d)).await
+                    let mut out = chunk(&self.meta, &d);
+                    out.push_str(&call_chunks(
+                        &self.s,
+                        &self.meta,
+                        index,
+                        calls[index],
+                        &parsed,
+                    ));
+                    calls[index] += parsed.len();
+                    send(out).await
                 }
                 Step::Done {
                     index,
@@ -648,6 +786,16 @@ impl Run {
                     usage: u,
                 } => {
                     usage.add(&u);
+                    let (text, parsed) = match parsers[index].as_mut() {
+                        Some(p) => {
+                            let mut r = p.push(&text);
+                            let rest = p.finish();
+                            r.content.push_str(&rest.content);
+                            r.calls.extend(rest.calls);
+                            (r.content, r.calls)
+                        }
+                        None => (text, Vec::new()),
+                    };
                     let mut out = String::new();
                     if !text.is_empty() || !held[index].is_empty() {
                         let d = Delta {
@@ -658,6 +806,19 @@ impl Run {
                         };
                         out.push_str(&chunk(&self.meta, &d));
                     }
+                    out.push_str(&call_chunks(
+                        &self.s,
+                        &self.meta,
+                        index,
+                        calls[index],
+                        &parsed,
+                    ));
+                    calls[index] += parsed.len();
+                    let reason = if calls[index] > 0 && reason == "stop" {
+                        "tool_calls"
+                    } else {
+                        reason
+                    };
                     let last = Delta {
                         index,
                         finish: Some(reason),

@@ -32,6 +32,7 @@ mod metrics;
 mod response;
 mod routes;
 mod state;
+mod tools;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -48,6 +48,8 @@ const FINGERPRINT: &str = concat!("te-rs-", env!("CARGO_PKG_VERSION"));
 
 /// OpenAI's `finish_reason`: `stop` for an end token or a stop string,
 /// `length` for the token limit or a full context; `None` for an abort.
+/// (A reply that called tools finishes with `tool_calls` instead of
+/// `stop`: see [`super::completions`].)
 pub fn finish_reason(reason: FinishReason) -> Option<&'static str> {
     match reason {
         FinishReason::Eos | FinishReason::Stop => Some("stop"),
@@ -144,6 +146,9 @@ pub struct ChoiceOut<'a> {
     pub logprobs: Option<Value>,
     /// With `return_token_ids`.
     pub ids: Option<TokenIds<'a>>,
+    /// Chat: the message's `tool_calls` (its `content` is then null when
+    /// empty).
+    pub tool_calls: Option<Value>,
 }
 
 /// A whole (non-streamed) response: `choices` in index order and the
@@ -157,12 +162,21 @@ pub fn complete(meta: &Meta, choices: &[ChoiceOut<'_>], u: &Usage) -> Value {
                 Endpoint::Completions => json!({
                     "index": index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish,
                 }),
-                Endpoint::Chat => json!({
-                    "index": index,
-                    "message": {"role": "assistant", "content": c.text, "refusal": null},
-                    "logprobs": c.logprobs,
-                    "finish_reason": c.finish,
-                }),
+                Endpoint::Chat => {
+                    let mut message = json!({"role": "assistant", "content": c.text, "refusal": null});
+                    if let Some(calls) = &c.tool_calls {
+                        if c.text.is_empty() {
+                            message["content"] = Value::Null;
+                        }
+                        message["tool_calls"] = calls.clone();
+                    }
+                    json!({
+                        "index": index,
+                        "message": message,
+                        "logprobs": c.logprobs,
+                        "finish_reason": c.finish,
+                    })
+                }
             };
             if let Some(ids) = c.ids {
                 choice["prompt_token_ids"] = json!(ids.prompt);
@@ -181,6 +195,8 @@ pub struct Delta<'a> {
     pub index: usize,
     /// With `logprobs`: [`logprobs`] of the chunk's tokens.
     pub logprobs: Option<Value>,
+    /// Chat: `delta.tool_calls` (OpenAI's pieces of calls).
+    pub tool_calls: Option<Value>,
     /// New text (a chat chunk without text has an empty `delta`).
     pub text: Option<&'a str>,
     /// Chat's first chunk: `delta.role = "assistant"`.
@@ -206,6 +222,9 @@ pub fn chunk(meta: &Meta, d: &Delta<'_>, include_usage: bool) -> Value {
             }
             if let Some(t) = d.text {
                 delta["content"] = json!(t);
+            }
+            if let Some(calls) = &d.tool_calls {
+                delta["tool_calls"] = calls.clone();
             }
             json!({"index": d.index, "delta": delta, "logprobs": d.logprobs, "finish_reason": d.finish})
         }
@@ -297,6 +316,7 @@ mod tests {
             finish,
             logprobs: None,
             ids: None,
+            tool_calls: None,
         };
         let c = complete(&meta(Endpoint::Completions), &[choice("length")], &u);
         assert_eq!(c["object"], "text_completion");
