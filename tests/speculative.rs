@@ -3,7 +3,8 @@
 //! `tests/refs/smollm2-135m/greedy.jsonl` (an independent float64
 //! forward) for every prompt, alone and batched with other requests in a
 //! KV pool small enough to preempt, with a fixed and the adaptive draft
-//! length; `--stats` reports the draft counters.
+//! length; `--stats` reports the draft counters. Qwen2.5-Coder 0.5B's
+//! reference prompts (one of 1,020 tokens) batched with drafts likewise.
 
 mod common;
 
@@ -100,4 +101,9 @@ fn greedy_tokens_match_reference_batched_and_preempted() {
         assert_eq!(stats["generated_tokens"], plain_stats["generated_tokens"]);
     }
     assert!(plain_stats.get("draft_tokens").is_none());
+}
+
+#[test]
+fn qwen_greedy_tokens_match_reference_batched_with_drafts() {
+    check_greedy_batched_with("qwen2.5-coder-0.5b", FIXED);
 }

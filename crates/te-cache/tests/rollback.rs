@@ -240,7 +240,7 @@ fn layout() -> impl Strategy<Value = CacheLayout> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(200))]
+    #![proptest_config(ProptestConfig::with_cases(1000))]
 
     #[test]
     fn rollback_never_leaks_and_reads_back_the_accepted_tokens(

@@ -50,7 +50,7 @@ pub const ADAPTIVE_DRAFT_MAX: usize = 16;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DraftSource {
     /// Prompt lookup: the continuation of the last earlier occurrence of
-    /// the latest `n` tokens (llama.cpp's `--draft-ngram`-style lookup).
+    /// the latest `n` tokens in the prompt and output so far.
     Ngram(usize),
 }
 

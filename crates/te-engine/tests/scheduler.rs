@@ -258,3 +258,50 @@ fn a_prompt_waits_for_the_same_first_page_in_flight_and_then_shares_it() {
     assert_eq!(s.running()[1].cached_prompt_tokens, 8);
     assert_eq!(s.stats().prefix_hit_tokens, 8);
 }
+
+/// Drafts: fed after the last token within the step's budget, dropped
+/// before anyone is preempted for their pages, and rolled back by
+/// `advance` past the rejected ones (pages given back).
+#[test]
+fn drafts_are_fed_shortened_dropped_before_preemption_and_rolled_back() {
+    // 3 pages of 4 tokens; A (3 tokens) and B (2) prefill in one step of
+    // the budget of 5, a page each.
+    let cfg = SchedulerConfig {
+        max_step_tokens: 5,
+        ..config(false)
+    };
+    let mut s = Scheduler::new(pool(3, 4), cfg).unwrap();
+    s.enqueue(seq(0, &[1, 2, 3]));
+    s.enqueue(seq(1, &[7, 8]));
+    assert_eq!(step(&mut s), vec![3, 2]);
+    assert!(s.running().iter().all(|q| q.decoding()));
+    // A drafts 2, B 3: the budget of 5 takes both last tokens and 3
+    // drafted tokens, A's first; B's draft is cut to 1.
+    s.running_mut()[0].draft = vec![40, 41];
+    s.running_mut()[1].draft = vec![50, 51, 52];
+    let Schedule::Step { feed } = s.schedule().unwrap() else {
+        panic!("a step")
+    };
+    assert_eq!(feed, vec![3, 2]);
+    assert_eq!(s.running()[1].draft, vec![50]);
+    assert_eq!(s.step_tokens(&feed), (vec![1000, 40, 41, 1001, 50], false));
+    assert_eq!(s.cache().pages_in_use(0).unwrap(), 3);
+    // A accepts 1 of 2, B none: one drafted token of each rolled back.
+    s.running_mut()[0].tokens.push(40);
+    s.advance(&feed, &[1, 1]).unwrap();
+    assert_eq!(s.cache().cached_tokens(0), 5);
+    assert_eq!(s.cache().cached_tokens(1), 3);
+    assert!(s.running().iter().all(|q| q.draft.is_empty()));
+    s.running_mut()[0].tokens.push(1000);
+    s.running_mut()[1].tokens.push(1001);
+    // Plain decode fits the 3 pages; A's draft of 3 would need a fourth:
+    // the drafts go, nobody is preempted.
+    s.running_mut()[0].draft = vec![60; 3];
+    let Schedule::Step { feed } = s.schedule().unwrap() else {
+        panic!("a step")
+    };
+    assert_eq!(feed, vec![1, 1]);
+    assert!(s.running()[0].draft.is_empty());
+    assert_eq!(running(&s), vec![0, 1]);
+    assert_eq!(s.stats().preemptions, 0);
+}

@@ -397,7 +397,12 @@ mod tests {
             waiting: 1,
             kv_pages_in_use: 9,
             kv_pages_total: 64,
-            ..EngineSnapshot::default()
+            stats: te_engine::EngineStats {
+                draft_tokens: 40,
+                accepted_tokens: 30,
+                verifications: 10,
+                ..te_engine::EngineStats::default()
+            },
         };
         let text = m.render(Some(&snap));
         for line in [
@@ -412,6 +417,11 @@ mod tests {
             "te_sequences_waiting 1",
             "te_kv_cache_pages_in_use 9",
             "te_kv_cache_pages_total 64",
+            "te_draft_tokens_total 40",
+            "te_accepted_tokens_total 30",
+            "te_verifications_total 10",
+            "te_draft_acceptance_rate 0.75",
+            "te_draft_mean_accepted_length 3",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
         }
