@@ -32,24 +32,6 @@ pub struct Args {
     /// Print one JSON object per prompt instead of streaming text.
     #[arg(long)]
     json: bool,
-    /// Sampling temperature; 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    /// Keep the k most likely tokens (0 = all).
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
-    /// Nucleus sampling threshold (1 = off).
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    /// Drop tokens below min_p times the best one's probability (0 = off).
-    #[arg(long, default_value_t = 0.0)]
-    min_p: f32,
-    /// Repetition penalty (1 = off).
-    #[arg(long, default_value_t = 1.0)]
-    repeat_penalty: f32,
-    /// RNG seed for sampling.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
     /// Stop when the generated text contains this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
@@ -80,6 +62,8 @@ pub struct Args {
     /// `--features mpi`; rank 0 prints). --kv-cache-tokens is per rank.
     #[arg(long, value_name = "N|mpi", value_parser = parse_context_parallel)]
     context_parallel: Option<Ranks>,
+    #[command(flatten)]
+    sampling: crate::sampling::SamplingArgs,
     #[command(flatten)]
     device: crate::DeviceArg,
     #[command(flatten)]
@@ -143,15 +127,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.kv_cache_tokens == Some(0) {
         bail!("--kv-cache-tokens must be at least 1");
     }
-    let sampling = SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        repetition_penalty: args.repeat_penalty,
-        seed: args.seed,
-    };
-    sampling.validate().map_err(anyhow::Error::msg)?;
+    let sampling = args.sampling.params(&SamplingParams::default())?;
     let mut device = args.device.clone();
     if args.context_parallel.is_some() {
         // Context parallelism runs on the CPU: `auto` means the CPU here.
@@ -340,6 +316,7 @@ impl Job<'_> {
                     "tokens": out.tokens,
                     "text": out.text,
                     "finish_reason": reason,
+                    "seed": self.sampling.seed,
                 });
                 writeln!(stdout, "{line}")?;
             } else if stream_stdout {
@@ -369,6 +346,7 @@ impl Job<'_> {
                 "peak_kv_tokens": s.peak_kv_tokens,
                 "peak_kv_bytes": s.peak_kv_bytes,
                 "preemptions": s.preemptions,
+                "seed": self.sampling.seed,
             });
             if let Some(per_rank) = kv_per_rank {
                 let tokens: Vec<usize> = per_rank.iter().map(|r| r.tokens).collect();
