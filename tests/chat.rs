@@ -7,6 +7,13 @@
 //! 270M, no chat template) says so and continues text.
 //!
 //! Needs `tmux` (CI installs it).
+//!
+//! Base models elsewhere: the known-model list says which models are base
+//! and which instruct, as their files do; `te inspect` and `te serve` say
+//! so at start, and the server refuses chat requests to a base model with a
+//! 400 naming it while completing text.
+
+mod common;
 
 use std::path::Path;
 use std::process::Command;
@@ -320,4 +327,105 @@ fn a_base_model_continues_text() {
     // The continuation is printed after the text typed.
     assert!(text.starts_with("The capital of France is"), "{text}");
     assert!(text.len() > "The capital of France is".len(), "{text}");
+}
+
+#[test]
+fn known_models_say_whether_they_are_base_or_instruct() {
+    for m in te_formats::hub::KNOWN_MODELS {
+        let (ok, stdout, stderr) = common::te(&["inspect", "--model", m.name, "--json"]);
+        assert!(ok, "te inspect {}: {stderr}", m.name);
+        let info: serde_json::Value = serde_json::from_str(&stdout).expect("JSON");
+        assert_eq!(
+            info["tokenizer"]["chat_template"].as_bool(),
+            Some(m.instruct),
+            "{}: instruct is {} in KNOWN_MODELS",
+            m.name,
+            m.instruct
+        );
+    }
+    let (ok, stdout, _) = common::te(&["inspect", "--model", "gemma3-270m"]);
+    assert!(ok);
+    assert!(
+        stdout.contains("no chat template: a base model"),
+        "{stdout}"
+    );
+}
+
+/// One HTTP/1.1 request to `addr`: the status and the body.
+fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connecting to te serve");
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).unwrap();
+    let status = reply
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .expect("a status line");
+    let body = reply.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    (status, body.to_string())
+}
+
+#[test]
+fn serve_refuses_chat_to_a_base_model_and_completes_text() {
+    use std::io::BufRead;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_te"))
+        .args(["serve", "--model", "gemma3-270m", "--port", "0", "-t", "2"])
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("starting te serve");
+    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut log = String::new();
+    let mut addr = None;
+    for line in stderr.lines().map_while(Result::ok) {
+        log.push_str(&line);
+        log.push('\n');
+        if let Some(rest) = line.split("listening on http://").nth(1) {
+            addr = rest.split_whitespace().next().map(str::to_string);
+            break;
+        }
+    }
+    let Some(addr) = addr else {
+        let _ = child.kill();
+        panic!("te serve did not start:\n{log}");
+    };
+    let chat = http(
+        &addr,
+        "POST",
+        "/v1/chat/completions",
+        r#"{"model": "gemma3-270m", "stream": true, "messages": [{"role": "user", "content": "Hi"}]}"#,
+    );
+    let completion = http(
+        &addr,
+        "POST",
+        "/v1/completions",
+        r#"{"model": "gemma3-270m", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}"#,
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        log.contains("gemma3-270m has no chat template (a base model)"),
+        "{log}"
+    );
+    assert_eq!(chat.0, 400, "{}", chat.1);
+    assert!(
+        chat.1
+            .contains("The model `gemma3-270m` has no chat template"),
+        "{}",
+        chat.1
+    );
+    assert_eq!(completion.0, 200, "{}", completion.1);
+    let v: serde_json::Value = serde_json::from_str(&completion.1).expect("JSON");
+    assert!(
+        !v["choices"][0]["text"].as_str().unwrap_or("").is_empty(),
+        "{v}"
+    );
 }
