@@ -327,14 +327,14 @@ fn output_errors_and_cli_edge_cases() {
         !ok && stderr.contains("repetition_penalty inf must be a finite number > 0"),
         "{stderr}"
     );
-    // A --prompt-file line of only spaces is skipped like a blank one.
+    // A --prompts-file line of only spaces is skipped like a blank one.
     let path = std::env::temp_dir().join(format!("te-prompts-{}.txt", std::process::id()));
     std::fs::write(&path, "   \nThe capital of France is\n\t\n").unwrap();
     let o = te_json(&[
         "generate",
         "--model",
         MODEL,
-        "--prompt-file",
+        "--prompts-file",
         path.to_str().unwrap(),
         "--max-new-tokens",
         "1",
@@ -347,7 +347,7 @@ fn output_errors_and_cli_edge_cases() {
         "generate",
         "--model",
         MODEL,
-        "--prompt-file",
+        "--prompts-file",
         path.to_str().unwrap(),
     ]);
     assert!(!ok && stderr.contains("no non-empty line"), "{stderr}");
@@ -467,4 +467,199 @@ fn inconsistent_real_files_are_refused_by_generate_and_inspect() {
         std::fs::remove_file(&path).unwrap();
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `te generate` with `stdin` as its standard input; (success, stdout,
+/// stderr).
+fn te_stdin(args: &[&str], stdin: &str) -> (bool, String, String) {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_te"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("running te");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Issue 29: a prompt piped on stdin is read; `--prompt-file` is one
+/// prompt (the whole file), `-` is stdin for it and for `--prompts-file`.
+#[test]
+fn prompts_from_files_and_stdin() {
+    let one = |args: &[&str], stdin: &str| -> Vec<serde_json::Value> {
+        let mut all = vec![
+            "generate",
+            "--model",
+            MODEL,
+            "--max-new-tokens",
+            "4",
+            "--json",
+        ];
+        all.extend_from_slice(args);
+        let (ok, stdout, stderr) = te_stdin(&all, stdin);
+        assert!(ok, "{args:?}: {stderr}");
+        stdout
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let piped = one(&[], "The capital of France is\n");
+    assert_eq!(piped.len(), 1);
+    assert_eq!(piped[0]["prompt"], "The capital of France is");
+    // The same tokens as the prompt given as a flag.
+    let flag = te_json(&[
+        "generate",
+        "--model",
+        MODEL,
+        "--max-new-tokens",
+        "4",
+        "--json",
+        "--prompt",
+        "The capital of France is",
+    ]);
+    assert_eq!(piped[0]["tokens"], flag[0]["tokens"]);
+
+    let doc = "A list:\n- one\n- two\n";
+    let path = std::env::temp_dir().join(format!("te-prompt-doc-{}.txt", std::process::id()));
+    std::fs::write(&path, doc).unwrap();
+    let whole = one(&["--prompt-file", path.to_str().unwrap()], "");
+    assert_eq!(whole.len(), 1, "one prompt: {whole:?}");
+    assert_eq!(whole[0]["prompt"], "A list:\n- one\n- two");
+    let stdin_file = one(&["--prompt-file", "-"], doc);
+    assert_eq!(stdin_file[0]["prompt"], "A list:\n- one\n- two");
+    let lines = one(&["--prompts-file", "-"], doc);
+    let prompts: Vec<&str> = lines
+        .iter()
+        .map(|o| o["prompt"].as_str().unwrap())
+        .collect();
+    assert_eq!(prompts, ["A list:", "- one", "- two"]);
+    std::fs::remove_file(&path).unwrap();
+}
+
+/// Issue 29: without `--seed` a sampled run draws a fresh seed and reports
+/// it; with `--seed` the text is the same, alone and in a batch of 8.
+#[test]
+fn sampling_seeds() {
+    let run = |extra: &[&str], prompts: usize| -> Vec<serde_json::Value> {
+        let mut args = vec![
+            "generate",
+            "--model",
+            MODEL,
+            "--max-new-tokens",
+            "24",
+            "--ignore-eos",
+            "--json",
+            "--temperature",
+            "1.0",
+        ];
+        for _ in 0..prompts {
+            args.extend_from_slice(&["--prompt", "Once upon a time"]);
+        }
+        args.extend_from_slice(extra);
+        te_json(&args)
+    };
+    let a = run(&[], 1);
+    let b = run(&[], 1);
+    assert_ne!(a[0]["seed"], b[0]["seed"], "a fresh seed per run");
+    assert_ne!(
+        a[0]["tokens"], b[0]["tokens"],
+        "different seeds, different text"
+    );
+    // The seed reported reproduces the run.
+    let seed = a[0]["seed"]
+        .as_u64()
+        .expect("the seed reported")
+        .to_string();
+    let again = run(&["--seed", &seed], 1);
+    assert_eq!(again[0]["tokens"], a[0]["tokens"]);
+    let batch = run(&["--seed", &seed, "--max-batch-size", "8"], 8);
+    assert_eq!(batch.len(), 8);
+    for o in &batch {
+        assert_eq!(o["tokens"], a[0]["tokens"], "alone and in a batch of 8");
+    }
+    // --stats reports it too.
+    let (ok, _, stderr) = te(&[
+        "generate",
+        "--model",
+        MODEL,
+        "--max-new-tokens",
+        "2",
+        "--temperature",
+        "1.0",
+        "--prompt",
+        "Hi",
+        "--seed",
+        "42",
+        "--stats",
+    ]);
+    assert!(ok && stderr.contains("\"seed\":42"), "{stderr}");
+}
+
+/// Issue 29: Ctrl-C (SIGINT) in `te generate` stops the generation, prints
+/// what was generated with its final newline, and the `--stats` line.
+#[test]
+fn ctrl_c_prints_what_was_generated_and_the_stats() {
+    use std::io::Read;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_te"))
+        .args([
+            "generate",
+            "--model",
+            MODEL,
+            "--prompt",
+            "Once upon a time",
+            "--max-new-tokens",
+            "4000",
+            "--ignore-eos",
+            "--stats",
+            "-t",
+            "2",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("running te");
+    let mut stdout = child.stdout.take().unwrap();
+    // Some text first.
+    let mut got = Vec::new();
+    let mut buf = [0u8; 256];
+    while got.len() < 20 {
+        let n = stdout.read(&mut buf).unwrap();
+        assert!(n > 0, "te generate ended before printing");
+        got.extend_from_slice(&buf[..n]);
+    }
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    stdout.read_to_end(&mut got).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&got);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(text.ends_with('\n'), "{text:?}");
+    let stats: serde_json::Value = serde_json::from_str(
+        stderr
+            .lines()
+            .find(|l| l.starts_with('{'))
+            .unwrap_or_else(|| panic!("no --stats line: {stderr}")),
+    )
+    .unwrap();
+    let n = stats["generated_tokens"].as_u64().unwrap();
+    assert!(n > 0 && n < 4000, "{stats}");
 }

