@@ -17,7 +17,7 @@ pub enum Command {
     /// Add a request; its events go to `events`, the result of
     /// `add_request` to `reply`.
     Submit {
-        request: Request,
+        request: Box<Request>,
         events: mpsc::Sender<Event>,
         reply: mpsc::Sender<std::result::Result<RequestId, RequestError>>,
     },
@@ -63,7 +63,7 @@ impl EngineHandle {
         let (reply, reply_rx) = mpsc::channel();
         self.tx
             .send(Command::Submit {
-                request,
+                request: Box::new(request),
                 events,
                 reply,
             })
@@ -165,7 +165,7 @@ impl Engine<'_> {
                 events,
                 reply,
             } => {
-                let result = self.add_request(request);
+                let result = self.add_request(*request);
                 if let Ok(id) = result {
                     sinks.insert(id, events);
                 }

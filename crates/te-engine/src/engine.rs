@@ -639,10 +639,9 @@ impl<'a> Engine<'a> {
             }
             match &out {
                 StepOutput::Logits(logits) => {
-                    let sample =
-                        |(seq, r, pick): (&mut Seq<'_>, usize, &mut Option<Pick>)| {
-                            *pick = Some(verify(seq, &logits[r * vocab..], vocab));
-                        };
+                    let sample = |(seq, r, pick): (&mut Seq<'_>, usize, &mut Option<Pick>)| {
+                        *pick = Some(verify(seq, &logits[r * vocab..], vocab));
+                    };
                     // (One sequence: no hand-off to the pool.)
                     if jobs.len() > 1 {
                         jobs.into_par_iter().for_each(sample);
