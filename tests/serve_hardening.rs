@@ -183,14 +183,14 @@ fn idle_half_open_and_slow_clients_do_not_lock_out_a_new_client() {
     for i in 0..1112 {
         let mut s = connect_from("127.0.0.1", to);
         if i % 2 == 1 && i < 1024 {
-            let _ = s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n");
+            let _ = s.write_all(b"GET /health HTTP/1.1\r\nHost: localhost\r\n");
         }
         attackers.push(s);
     }
     // A body that trickles in, a byte every 100 ms, from another address.
     let mut slow = connect_from("127.0.0.3", to);
     slow.write_all(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
           Content-Length: 100000\r\n\r\n",
     )
     .unwrap();
@@ -249,7 +249,7 @@ fn a_disconnect_is_noticed_even_after_extra_bytes() {
     // The request, then the start of a pipelined one; then the client leaves.
     write!(
         s,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+        "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
          Content-Length: {}\r\n\r\n{body}GET /health HTTP/1.1\r\n",
         body.len()
     )
@@ -327,7 +327,7 @@ fn huge_prompts_closed_early_leave_no_work_behind() {
                 let mut s = connect_from("127.0.0.1", to);
                 write!(
                     s,
-                    "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+                    "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
                      Content-Length: {}\r\n\r\n{body}",
                     body.len()
                 )
@@ -468,4 +468,126 @@ fn empty_api_keys_are_refused() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("API key") && err.contains("empty"), "{err}");
     }
+}
+
+#[test]
+fn a_keyless_server_refuses_what_browsers_could_forge() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start(&[
+        "--allowed-host",
+        "llm.lan",
+        "--cors-origin",
+        "https://app.example",
+    ]);
+    let body = completion("Hi", 1);
+    let json = "Content-Type: application/json\r\n";
+    let at = |host: &str, headers: &str| {
+        // `request_from` sends the server's address as Host; a second Host
+        // line would be a 400, so build the request here.
+        let mut s = connect_from("127.0.0.1", server.addr);
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        write!(
+            s,
+            "POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n{headers}Content-Length: {}\r\n\
+             Connection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        let status: u16 = out.split_whitespace().nth(1).unwrap().parse().unwrap();
+        (status, out)
+    };
+    // DNS rebinding: a foreign name for a loopback address.
+    assert_eq!(at("evil.example:8080", json).0, 421);
+    // A cross-site "simple" request: text/plain, a foreign Origin.
+    let foreign = "Content-Type: text/plain\r\nOrigin: http://evil.example\r\n";
+    assert_eq!(at("127.0.0.1", foreign).0, 403);
+    let (status, out) = at("127.0.0.1", "Content-Type: text/plain\r\n");
+    assert_eq!(status, 415, "{out}");
+    // What is allowed: loopback names and addresses, --allowed-host, the
+    // page's own origin, --cors-origin (with its CORS header only).
+    assert_eq!(at("localhost:1234", json).0, 200);
+    assert_eq!(at("llm.lan", json).0, 200);
+    let own = format!("{json}Origin: http://{}\r\n", server.addr);
+    let (status, out) = at(&server.addr.to_string(), &own);
+    assert_eq!(status, 200);
+    assert!(!out
+        .to_ascii_lowercase()
+        .contains("access-control-allow-origin"));
+    let (status, out) = at(
+        "127.0.0.1",
+        &format!("{json}Origin: https://app.example\r\n"),
+    );
+    assert_eq!(status, 200);
+    assert!(
+        out.contains("access-control-allow-origin: https://app.example"),
+        "{out}"
+    );
+}
+
+#[test]
+fn start_up_and_shutdown() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // A taken port fails at once, before loading the model.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let start = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_te"))
+        .args(["serve", "--model", MODEL, "--port", &port])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("binding"), "{err}");
+    assert!(!err.contains("loaded"), "the model was loaded first: {err}");
+    println!("refused in {:?}", start.elapsed());
+
+    // During the shutdown grace: /health 503, new generations 503, the
+    // running one finishes; every request logged in one line.
+    let mut server = Server::start(&["--shutdown-grace-secs", "60"]);
+    let mut s = connect_from("127.0.0.1", server.addr);
+    let body = serde_json::json!({
+        "model": MODEL, "prompt": "Count:", "max_tokens": 64, "ignore_eos": true,
+        "stream": true, "temperature": 0,
+    })
+    .to_string();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut stream = BufReader::new(s);
+    let mut line = String::new();
+    while !line.starts_with("data: ") {
+        line.clear();
+        assert!(stream.read_line(&mut line).unwrap() > 0, "no stream");
+    }
+    let pid = server.child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    std::thread::sleep(Duration::from_millis(200));
+    let (status, body) = server.request_from("127.0.0.1", "GET", "/health", "", None);
+    assert_eq!(
+        (status, body.as_str()),
+        (503, r#"{"status":"shutting down"}"#)
+    );
+    let (status, _) = server.post("/v1/completions", &completion("Hi", 1));
+    assert_eq!(status, 503);
+    let mut rest = String::new();
+    stream.read_to_string(&mut rest).unwrap();
+    assert!(rest.contains("data: [DONE]"), "{rest}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(st) = server.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "no exit");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
 }

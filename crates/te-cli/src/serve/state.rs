@@ -13,6 +13,7 @@ use te_models::loader::LoadedModel;
 use tokio::sync::watch;
 
 use super::api::Endpoint;
+use super::guard::BrowserPolicy;
 use super::metrics::Metrics;
 
 /// What every handler shares.
@@ -27,6 +28,8 @@ pub struct AppState {
     pub api_keys: Vec<String>,
     /// Who shares cached prompt prefixes with whom.
     pub prefix_cache_scope: PrefixCacheScope,
+    /// Which hosts and origins browsers may use.
+    pub browser: BrowserPolicy,
     pub metrics: Arc<Metrics>,
     pub max_concurrent_requests: u64,
     pub max_body_bytes: usize,
@@ -57,6 +60,8 @@ pub struct ServeSettings {
     pub api_keys: Vec<String>,
     /// `--prefix-cache-scope`.
     pub prefix_cache_scope: PrefixCacheScope,
+    /// `--allowed-host`, `--cors-origin`.
+    pub browser: BrowserPolicy,
     /// `--max-concurrent-requests`: generation requests held at once
     /// (queued, running or streaming).
     pub max_concurrent_requests: u64,
@@ -81,6 +86,7 @@ impl AppState {
             model_name,
             api_keys,
             prefix_cache_scope,
+            browser,
             max_concurrent_requests,
             max_body_bytes,
             body_read_timeout,
@@ -94,6 +100,7 @@ impl AppState {
             created: unix_now(),
             api_keys,
             prefix_cache_scope,
+            browser,
             metrics: Arc::new(Metrics::default()),
             max_concurrent_requests,
             max_body_bytes,
