@@ -8,8 +8,8 @@
 //! - a request with an `Origin` other than the server's own and the
 //!   `--cors-origin`s is refused (403), and only those origins get CORS
 //!   headers (and answers to preflight `OPTIONS`);
-//! - a `POST` must be `Content-Type: application/json` (else 415), which
-//!   no cross-site form or simple request can send.
+//! - without API keys, a `POST` must be `Content-Type: application/json`
+//!   (else 415), which no cross-site form or simple request can send.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -58,8 +58,9 @@ pub struct BrowserPolicy {
     pub allowed_hosts: Vec<String>,
     /// `--cors-origin`s (`scheme://host[:port]`).
     pub cors_origins: Vec<String>,
-    /// Whether `Host` is checked (a server without API keys).
-    pub check_host: bool,
+    /// A server without API keys: `Host` and the content type of `POST`s
+    /// are checked (with keys, a forged request lacks the key anyway).
+    pub keyless: bool,
 }
 
 impl BrowserPolicy {
@@ -93,7 +94,7 @@ pub async fn browser(State(s): State<Arc<AppState>>, req: Request, next: Next) -
         .get(header::HOST)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    if policy.check_host && !policy.host_allowed(host) {
+    if policy.keyless && !policy.host_allowed(host) {
         return ApiError::status(
             StatusCode::MISDIRECTED_REQUEST,
             "invalid_request_error",
@@ -146,11 +147,11 @@ pub async fn browser(State(s): State<Arc<AppState>>, req: Request, next: Next) -
             );
             return r;
         }
-        let mut r = checked_type(req, next).await;
+        let mut r = checked_type(policy.keyless, req, next).await;
         add_cors(r.headers_mut(), allow);
         return r;
     }
-    checked_type(req, next).await
+    checked_type(policy.keyless, req, next).await
 }
 
 fn add_cors(h: &mut axum::http::HeaderMap, origin: Option<HeaderValue>) {
@@ -160,9 +161,9 @@ fn add_cors(h: &mut axum::http::HeaderMap, origin: Option<HeaderValue>) {
     }
 }
 
-/// A `POST` must carry JSON.
-async fn checked_type(req: Request, next: Next) -> Response {
-    if req.method() == Method::POST {
+/// A `POST` to a server without keys must carry JSON.
+async fn checked_type(keyless: bool, req: Request, next: Next) -> Response {
+    if keyless && req.method() == Method::POST {
         let json = req
             .headers()
             .get(header::CONTENT_TYPE)

@@ -251,7 +251,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 .map(|h| h.to_ascii_lowercase())
                 .collect(),
             cors_origins: args.cors_origin.clone(),
-            check_host: api_keys.is_empty(),
+            keyless: api_keys.is_empty(),
         },
         api_keys,
         prefix_cache_scope,
