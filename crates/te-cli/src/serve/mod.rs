@@ -15,7 +15,8 @@
 //! validation), [`response`] (response and chunk bodies), [`error`] (OpenAI
 //! error bodies), [`bridge`] (async side of the engine handle), [`metrics`]
 //! (Prometheus text), [`listener`] (connections: caps and timeouts),
-//! [`guard`] (the request body's deadline).
+//! [`guard`] (the request body's deadline, the browser checks),
+//! [`browser`] (which hosts and origins browsers may use).
 //!
 //! Shutdown (SIGINT or SIGTERM): answer `/health` and new generation
 //! requests with 503, let running ones finish for `--shutdown-grace-secs`,
@@ -31,6 +32,7 @@
 
 mod api;
 mod bridge;
+mod browser;
 mod completions;
 mod error;
 mod guard;
@@ -244,7 +246,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .served_model_name
             .clone()
             .unwrap_or_else(|| args.model.clone()),
-        browser: guard::BrowserPolicy {
+        browser: browser::BrowserPolicy {
             allowed_hosts: args
                 .allowed_host
                 .iter()

@@ -13,7 +13,7 @@ use te_models::loader::LoadedModel;
 use tokio::sync::watch;
 
 use super::api::Endpoint;
-use super::guard::BrowserPolicy;
+use super::browser::BrowserPolicy;
 use super::metrics::Metrics;
 
 /// What every handler shares.
