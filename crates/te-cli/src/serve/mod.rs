@@ -466,3 +466,34 @@ async fn count_signals(tx: Arc<watch::Sender<u32>>) {
         tx.send_modify(|n| *n += 1);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_engine_thread_that_panics_clears_liveness_and_tells_the_server() {
+        let alive = Arc::new(AtomicBool::new(true));
+        let stopped = Arc::new(tokio::sync::Notify::new());
+        let guard = EngineAlive {
+            alive: alive.clone(),
+            stopped: stopped.clone(),
+        };
+        let thread = std::thread::spawn(move || {
+            let _alive = guard;
+            panic!("a failed step");
+        });
+        assert!(thread.join().is_err());
+        assert!(!alive.load(Ordering::SeqCst));
+        // The notification waits for the server's task.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(5), stopped.notified())
+                .await
+                .expect("the server was told");
+        });
+    }
+}
