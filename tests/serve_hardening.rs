@@ -755,6 +755,9 @@ mod fuzz {
         let config = ProptestConfig {
             cases: 64,
             failure_persistence: None,
+            // The same bodies every run (the share that reaches generation
+            // is checked below); PROPTEST_RNG_SEED does not override this.
+            rng_seed: proptest::test_runner::RngSeed::Fixed(31),
             ..ProptestConfig::default()
         };
         let answered = std::cell::Cell::new(0);
