@@ -793,7 +793,7 @@ impl<S: KvStorage> InferenceParams<S> {
 
     /// [`InferenceParams::attach_prefix`] for a sequence with `salt`: it
     /// shares pages only with sequences of the same salt (`None` is a salt
-    /// of its own); see [`crate::prefix`].
+    /// of its own); the salt is the root of the sequence's page-key chain.
     ///
     /// Errors: as [`InferenceParams::attach_prefix`].
     pub fn attach_salted_prefix(

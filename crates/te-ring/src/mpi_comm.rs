@@ -33,15 +33,11 @@ use mpi::request::{Request, StaticScope};
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 use mpi::Threading;
 
-use crate::comm::{neighbours, Block, Communicator, Failure};
+use crate::comm::{neighbours, Block, Communicator, Failure, MAX_REASON};
 use crate::error::RingError;
 
 /// The MPI tag of every ring message.
 const RING_TAG: mpi::Tag = 0x7e;
-
-/// The longest reason an abort marker carries (bytes), so markers stay
-/// small enough for MPI's eager protocol.
-const MAX_REASON: usize = 1024;
 
 /// How long an abort or drop waits for a send in flight to be received
 /// before giving up on it (the peer may have failed before receiving).

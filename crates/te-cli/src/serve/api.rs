@@ -32,6 +32,16 @@ pub enum Endpoint {
     Chat,
 }
 
+impl Endpoint {
+    /// The route's path.
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Chat => "/v1/chat/completions",
+        }
+    }
+}
+
 /// A completion prompt: text, or token ids.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Prompt {

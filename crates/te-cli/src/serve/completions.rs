@@ -235,6 +235,7 @@ async fn generate(
         timing: Timing {
             arrived,
             last: None,
+            first: None,
         },
         choices,
         call_format,
@@ -411,13 +412,19 @@ fn prepare(s: &AppState, req: &GenerationRequest) -> Result<Prepared, ApiError> 
 struct Timing {
     arrived: Instant,
     last: Option<Instant>,
+    /// Seconds to the first token.
+    first: Option<f64>,
 }
 
 impl Timing {
     fn token(&mut self, metrics: &Metrics) {
         let now = Instant::now();
         match self.last {
-            None => metrics.time_to_first_token((now - self.arrived).as_secs_f64()),
+            None => {
+                let ttft = (now - self.arrived).as_secs_f64();
+                self.first = Some(ttft);
+                metrics.time_to_first_token(ttft);
+            }
             Some(t) => metrics.inter_token_latency((now - t).as_secs_f64()),
         }
         self.last = Some(now);
@@ -460,6 +467,16 @@ impl Drop for Run {
                 self.s.metrics.finished("abort", prompt, c.generated);
             }
         }
+        tracing::info!(
+            id = %self.meta.id,
+            route = self.meta.endpoint.path(),
+            prompt_tokens = self.prepared.tokens.len(),
+            generated_tokens = self.generated,
+            ttft_ms = self.timing.first.map(|t| (t * 1000.0).round() as u64),
+            status = 200,
+            finish = if self.settled { "done" } else { "abort" },
+            "request"
+        );
     }
 }
 

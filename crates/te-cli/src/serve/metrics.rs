@@ -120,6 +120,7 @@ impl Metrics {
             metrics: self.clone(),
             endpoint,
             counted: false,
+            arrived: std::time::Instant::now(),
         }
     }
 
@@ -330,24 +331,42 @@ impl Metrics {
 }
 
 /// A request being answered (see [`Metrics::http_started`]).
+///
+/// Logs one line per request, but for generations that started (their
+/// own line says more: tokens, time to first token).
 pub struct HttpRequest {
     metrics: Arc<Metrics>,
     endpoint: String,
     counted: bool,
+    arrived: std::time::Instant,
 }
 
 impl HttpRequest {
     /// Counts the response's `status`.
     pub fn answered(mut self, status: u16) {
         self.counted = true;
+        self.record(status);
+    }
+
+    fn record(&self, status: u16) {
         self.metrics.http_request(&self.endpoint, status);
+        let generation =
+            self.endpoint.starts_with("/v1/") && self.endpoint.ends_with("completions");
+        if !(generation && status == 200) {
+            tracing::info!(
+                route = %self.endpoint,
+                status,
+                ms = self.arrived.elapsed().as_millis() as u64,
+                "request"
+            );
+        }
     }
 }
 
 impl Drop for HttpRequest {
     fn drop(&mut self) {
         if !self.counted {
-            self.metrics.http_request(&self.endpoint, 499);
+            self.record(499);
         }
     }
 }

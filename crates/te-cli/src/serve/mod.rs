@@ -15,15 +15,24 @@
 //! validation), [`response`] (response and chunk bodies), [`error`] (OpenAI
 //! error bodies), [`bridge`] (async side of the engine handle), [`metrics`]
 //! (Prometheus text), [`listener`] (connections: caps and timeouts),
-//! [`guard`] (the request body's deadline).
+//! [`guard`] (the request body's deadline, the browser checks),
+//! [`browser`] (which hosts and origins browsers may use).
 //!
-//! Shutdown (SIGINT or SIGTERM): stop accepting, answer new generation
-//! requests on open connections with 503, let running ones finish for
-//! `--shutdown-grace-secs`, then end the rest with an error (a second
-//! signal ends them at once), stop the engine, exit 0.
+//! Shutdown (SIGINT or SIGTERM): answer `/health` and new generation
+//! requests with 503, let running ones finish for `--shutdown-grace-secs`,
+//! then end the rest with an error (a second signal ends them at once);
+//! stop accepting connections once none runs, stop the engine, exit 0.
+//!
+//! Liveness: if the engine thread ends while serving (an error, or a
+//! panic), `/health` answers 503 at once, the server shuts down as on a
+//! signal, and the process exits non-zero: a supervisor restarts it. The
+//! engine is not restarted in process.
+//!
+//! Every request is logged (through `tracing`, to stderr) in one line.
 
 mod api;
 mod bridge;
+mod browser;
 mod completions;
 mod error;
 mod guard;
@@ -91,6 +100,15 @@ pub struct Args {
     /// never share.
     #[arg(long, value_enum)]
     prefix_cache_scope: Option<state::PrefixCacheScope>,
+    /// A host name a server without API keys answers to, beside IP
+    /// addresses and localhost (repeatable; `*`: any; the defence against
+    /// DNS rebinding).
+    #[arg(long)]
+    allowed_host: Vec<String>,
+    /// An origin (`https://app.example:8443`) whose pages may call the API
+    /// (CORS; repeatable). Other origins' requests are refused.
+    #[arg(long)]
+    cors_origin: Vec<String>,
     /// Largest request body in bytes (larger: 413).
     #[arg(long, default_value_t = 2 * 1024 * 1024)]
     max_body_bytes: usize,
@@ -130,6 +148,13 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     args.threads.init()?;
+    // One line per request and the server's events, to stderr.
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_max_level(tracing::Level::INFO)
+        .try_init();
     for (name, v) in [
         ("--max-batch-size", args.max_batch_size),
         (
@@ -180,13 +205,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let (handle, commands) = channel();
     let engine_alive = Arc::new(AtomicBool::new(true));
+    let engine_stopped = Arc::new(tokio::sync::Notify::new());
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let engine_thread = std::thread::Builder::new()
         .name("te-engine".into())
         .spawn({
             let loaded = loaded.clone();
-            let alive = engine_alive.clone();
+            let alive = EngineAlive {
+                alive: engine_alive.clone(),
+                stopped: engine_stopped.clone(),
+            };
             move || -> anyhow::Result<()> {
+                // Cleared however the thread ends, a panic included.
+                let _alive = alive;
                 let mut engine = match Engine::new(&loaded.model, Some(&loaded.tokenizer), config) {
                     Ok(e) => e,
                     Err(e) => {
@@ -196,7 +227,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 };
                 let _ = ready_tx.send(Ok((engine.kv_capacity_tokens(), engine.prefix_caching())));
                 let result = engine.run(commands);
-                alive.store(false, Ordering::SeqCst);
                 if let Err(e) = &result {
                     eprintln!("error: the engine stopped: {e}");
                 }
@@ -228,6 +258,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .served_model_name
             .clone()
             .unwrap_or_else(|| args.model.clone()),
+        browser: browser::BrowserPolicy {
+            allowed_hosts: args
+                .allowed_host
+                .iter()
+                .map(|h| h.to_ascii_lowercase())
+                .collect(),
+            cors_origins: args.cors_origin.clone(),
+            keyless: api_keys.is_empty(),
+        },
         api_keys,
         prefix_cache_scope,
         max_concurrent_requests: args.max_concurrent_requests,
@@ -248,17 +287,34 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         header_read_timeout,
         write_timeout,
     };
-    let served = runtime.block_on(serve(&args, tcp, limits, state, cancel_tx));
+    let served = runtime.block_on(serve(&args, tcp, limits, state, cancel_tx, engine_stopped));
     // Ends what is left (cancelled streams) and drops every engine handle,
     // so the engine loop returns.
     runtime.shutdown_timeout(Duration::from_secs(10));
-    served?;
+    let stopped_early = served?;
     match engine_thread.join() {
         Ok(result) => result?,
-        Err(_) => bail!("the engine thread panicked"),
+        Err(_) => bail!("the engine thread panicked; the server drained and exits"),
+    }
+    if stopped_early {
+        bail!("the engine stopped; the server drained and exits");
     }
     eprintln!("shut down");
     Ok(())
+}
+
+/// The engine thread's liveness: cleared, and the server told, when the
+/// thread ends (returning or panicking).
+struct EngineAlive {
+    alive: Arc<AtomicBool>,
+    stopped: Arc<tokio::sync::Notify>,
+}
+
+impl Drop for EngineAlive {
+    fn drop(&mut self) {
+        self.alive.store(false, Ordering::SeqCst);
+        self.stopped.notify_one();
+    }
 }
 
 /// The API keys of `--api-key`, `--api-key-file` and `TE_API_KEY`.
@@ -306,31 +362,51 @@ fn seconds(name: &str, secs: f64) -> anyhow::Result<Duration> {
     Ok(Duration::from_secs_f64(secs))
 }
 
-/// Serves on `tcp` until a signal, then shuts down gracefully.
+/// Serves on `tcp` until a signal or the engine's end, then shuts down
+/// gracefully; returns whether the engine stopped first.
 async fn serve(
     args: &Args,
     tcp: std::net::TcpListener,
     limits: listener::Limits,
     state: Arc<AppState>,
     cancel: watch::Sender<bool>,
-) -> anyhow::Result<()> {
+    engine_stopped: Arc<tokio::sync::Notify>,
+) -> anyhow::Result<bool> {
     let tcp = tokio::net::TcpListener::from_std(tcp).context("listening")?;
     let addr = tcp.local_addr()?;
     // Signals seen: 1 starts the graceful shutdown, 2 cancels at once.
+    // The engine's end counts as the first.
     let (signals_tx, mut signals) = watch::channel(0u32);
-    tokio::spawn(count_signals(signals_tx));
+    let signals_tx = Arc::new(signals_tx);
+    tokio::spawn(count_signals(signals_tx.clone()));
+    let engine_failed = Arc::new(AtomicBool::new(false));
+    tokio::spawn({
+        let failed = engine_failed.clone();
+        async move {
+            engine_stopped.notified().await;
+            failed.store(true, Ordering::SeqCst);
+            tracing::error!("the engine stopped: draining, then exiting with an error");
+            signals_tx.send_modify(|n| *n = (*n).max(1));
+        }
+    });
     let mut first_signal = signals.clone();
+    let drained = state.clone();
     let router = routes::router(state.clone()).layer(axum::middleware::from_fn_with_state(
         state.clone(),
         guard::body_deadline,
     ));
     let server = listener::serve(tcp, router, limits, state.metrics.clone(), async move {
         let _ = first_signal.wait_for(|&n| n >= 1).await;
+        // Keep accepting while requests run (new ones get 503, /health
+        // too), then close.
+        while drained.metrics.in_flight() > 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     });
     let mut server = tokio::spawn(server);
     eprintln!("listening on http://{addr} (model {})", state.model_name);
     tokio::select! {
-        result = &mut server => return finished(result),
+        result = &mut server => return finished(result, &engine_failed),
         _ = signals.wait_for(|&n| n >= 1) => {}
     }
     state.start_shutdown();
@@ -341,7 +417,7 @@ async fn serve(
     );
     let grace = Duration::from_secs(args.shutdown_grace_secs);
     tokio::select! {
-        result = &mut server => return finished(result),
+        result = &mut server => return finished(result, &engine_failed),
         _ = tokio::time::sleep(grace) => {}
         _ = signals.wait_for(|&n| n >= 2) => {}
     }
@@ -353,20 +429,24 @@ async fn serve(
     // Cancelled streams end at once; do not wait forever for a client
     // that stopped reading.
     match tokio::time::timeout(Duration::from_secs(5), &mut server).await {
-        Ok(result) => finished(result),
+        Ok(result) => finished(result, &engine_failed),
         Err(_) => {
             server.abort();
-            Ok(())
+            Ok(engine_failed.load(Ordering::SeqCst))
         }
     }
 }
 
-fn finished(result: Result<(), tokio::task::JoinError>) -> anyhow::Result<()> {
-    result.context("the server task failed")
+fn finished(
+    result: Result<(), tokio::task::JoinError>,
+    engine_failed: &AtomicBool,
+) -> anyhow::Result<bool> {
+    result.context("the server task failed")?;
+    Ok(engine_failed.load(Ordering::SeqCst))
 }
 
 /// Counts SIGINT and SIGTERM into `tx`.
-async fn count_signals(tx: watch::Sender<u32>) {
+async fn count_signals(tx: Arc<watch::Sender<u32>>) {
     #[cfg(unix)]
     let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
         Ok(s) => Some(s),
@@ -396,5 +476,36 @@ async fn count_signals(tx: watch::Sender<u32>) {
             _ = got => {}
         }
         tx.send_modify(|n| *n += 1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_engine_thread_that_panics_clears_liveness_and_tells_the_server() {
+        let alive = Arc::new(AtomicBool::new(true));
+        let stopped = Arc::new(tokio::sync::Notify::new());
+        let guard = EngineAlive {
+            alive: alive.clone(),
+            stopped: stopped.clone(),
+        };
+        let thread = std::thread::spawn(move || {
+            let _alive = guard;
+            panic!("a failed step");
+        });
+        assert!(thread.join().is_err());
+        assert!(!alive.load(Ordering::SeqCst));
+        // The notification waits for the server's task.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(5), stopped.notified())
+                .await
+                .expect("the server was told");
+        });
     }
 }

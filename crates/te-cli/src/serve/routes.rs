@@ -55,6 +55,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.max_body_bytes))
         .layer(middleware::from_fn_with_state(state.clone(), require_key))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            super::guard::browser,
+        ))
         .layer(middleware::from_fn_with_state(state.clone(), count))
         .with_state(state)
 }
@@ -141,15 +145,21 @@ async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
     )
 }
 
-/// `GET /health`: 200 while the engine runs, 503 once it has stopped.
+/// `GET /health`: 200 while the engine runs, 503 once it has stopped or
+/// the server is shutting down (a load balancer stops sending).
 async fn health(State(s): State<Arc<AppState>>) -> Response {
-    if s.engine_alive.load(Ordering::SeqCst) {
-        json_response(StatusCode::OK, &json!({"status": "ok"}))
-    } else {
+    if !s.engine_alive.load(Ordering::SeqCst) {
         json_response(
             StatusCode::SERVICE_UNAVAILABLE,
             &json!({"status": "engine stopped"}),
         )
+    } else if s.is_shutting_down() {
+        json_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &json!({"status": "shutting down"}),
+        )
+    } else {
+        json_response(StatusCode::OK, &json!({"status": "ok"}))
     }
 }
 

@@ -14,6 +14,7 @@ use te_models::loader::LoadedModel;
 use tokio::sync::watch;
 
 use super::api::Endpoint;
+use super::browser::BrowserPolicy;
 use super::metrics::Metrics;
 
 /// What every handler shares.
@@ -28,6 +29,8 @@ pub struct AppState {
     pub api_keys: Vec<String>,
     /// Who shares cached prompt prefixes with whom.
     pub prefix_cache_scope: PrefixCacheScope,
+    /// Which hosts and origins browsers may use.
+    pub browser: BrowserPolicy,
     pub metrics: Arc<Metrics>,
     pub max_concurrent_requests: u64,
     pub max_body_bytes: usize,
@@ -61,6 +64,8 @@ pub struct ServeSettings {
     pub api_keys: Vec<String>,
     /// `--prefix-cache-scope`.
     pub prefix_cache_scope: PrefixCacheScope,
+    /// `--allowed-host`, `--cors-origin`.
+    pub browser: BrowserPolicy,
     /// `--max-concurrent-requests`: generation requests held at once
     /// (queued, running or streaming).
     pub max_concurrent_requests: u64,
@@ -85,6 +90,7 @@ impl AppState {
             model_name,
             api_keys,
             prefix_cache_scope,
+            browser,
             max_concurrent_requests,
             max_body_bytes,
             body_read_timeout,
@@ -98,6 +104,7 @@ impl AppState {
             created: unix_now(),
             api_keys,
             prefix_cache_scope,
+            browser,
             metrics: Arc::new(Metrics::default()),
             max_concurrent_requests,
             max_body_bytes,
