@@ -12,11 +12,14 @@
 //! [-100, 100], at most [`MAX_LOGIT_BIAS`] entries; ids outside the
 //! vocabulary are refused by the handler, which knows it), chat's
 //! `logprobs` + `top_logprobs` (0 to 20) and completions' `logprobs` (0 to
-//! 5). Extensions as vLLM names them: `top_k` (0 or -1 = off), `min_p`,
+//! 5), `response_format` (`text`, `json_object`, `json_schema` within
+//! [`MAX_SCHEMA_BYTES`] and [`MAX_SCHEMA_DEPTH`]), chat's `tools` (at most
+//! [`MAX_TOOLS`]) and `tool_choice`, and `tool` messages and assistant
+//! `tool_calls` in `messages`. Extensions as vLLM names them: `top_k` (0 or -1 = off), `min_p`,
 //! `repetition_penalty`, `ignore_eos`, `return_token_ids` (the prompt's and
 //! the completion's token ids in each choice). OpenAI features te-rs does
-//! not have (suffix, best_of > 1, audio, content parts other than text)
-//! are refused with a 400 that names the field, never silently ignored;
+//! not have (suffix, best_of > 1, audio, content parts other than text,
+//! the deprecated `functions`) are refused with a 400 that names the field, never silently ignored;
 //! fields it does not know are ignored.
 
 use serde_json::{Map, Value};
