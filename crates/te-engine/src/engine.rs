@@ -47,8 +47,9 @@
 //!   cache can take its part), so every rank makes the same decisions and
 //!   samples the same tokens. Prefix sharing is off.
 //!
-//! - **Speculative decoding** ([`EngineConfig::speculative`], prompt
-//!   lookup, [`crate::speculative`]): a decoding sequence's drafted tokens
+//! - **Speculative decoding** ([`EngineConfig::speculative`]: prompt
+//!   lookup, or a draft model with [`Engine::with_draft_model`];
+//!   [`crate::speculative`]): a decoding sequence's drafted tokens
 //!   are verified as one chunk of `k + 1` rows inside the ordinary step
 //!   (beside other sequences' decode and prefill), the accepted ones and
 //!   the model's own next token are emitted one by one through the same

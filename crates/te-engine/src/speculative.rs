@@ -1,9 +1,12 @@
-//! Speculative decoding by prompt lookup: a decoding sequence proposes the
-//! tokens that followed the last earlier occurrence of its latest `n`
-//! tokens (in its prompt and output so far), the target model scores the
-//! proposal as one chunk of `k + 1` rows inside the ordinary step, and the
-//! sequence keeps the longest prefix the model agrees with plus the
-//! model's own next token; te-cache's `truncate` rolls the rest back.
+//! Speculative decoding: a decoding sequence proposes a draft of tokens,
+//! the target model scores the draft as one chunk of `k + 1` rows inside
+//! the ordinary step, and the sequence keeps the longest prefix the model
+//! agrees with plus the model's own next token; te-cache's `truncate`
+//! rolls the rest back. Two sources ([`DraftSource`]): **prompt lookup**
+//! (the tokens that followed the last earlier occurrence of the sequence's
+//! latest `n` tokens in its prompt and output so far) and a **draft
+//! model** ([`crate::Engine::with_draft_model`]: its greedy tokens, from
+//! its own KV cache in the same engine).
 //!
 //! # What stays the same
 //!
@@ -16,7 +19,8 @@
 //! and the rest of the draft dropped.
 //!
 //! - **Greedy**: the tokens are bit-identical to plain greedy decoding.
-//! - **Sampled**: with a point-mass proposal `q = δ(x)` (prompt lookup),
+//! - **Sampled**: with a point-mass proposal `q = δ(x)` (prompt lookup,
+//!   and a draft model's greedy tokens: both a function of the context),
 //!   standard speculative sampling (accept `x` with probability
 //!   `min(1, p(x)/q(x)) = p(x)`, else draw from the normalised residual
 //!   `max(0, p - q)`, i.e. `p` without `x`) gives each token the law `p`;
@@ -28,6 +32,8 @@
 //!
 //! # How long a draft
 //!
+//! A draft model drafts `draft_max` tokens (default
+//! [`MODEL_DRAFT_DEFAULT`]) at every step. For prompt lookup,
 //! `draft_max: Some(k)` drafts `k` tokens whenever the lookup finds them.
 //! By default the length is adaptive and cost-aware: each sequence keeps
 //! an estimate `alpha` of the probability that a drafted token is
