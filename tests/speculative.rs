@@ -150,3 +150,18 @@ fn draft_model_gives_the_reference_tokens_and_other_vocabularies_are_refused() {
         "{stderr}"
     );
 }
+
+/// Qwen2.5-Coder 0.5B drafting for the 1.5B: every reference prompt of
+/// the 1.5B gets its reference tokens, batched. Slow on two cores (the
+/// 1.5B's 1,020-token prompt, twice the models): `cargo test -- --ignored`;
+/// the claim is covered by default by the tiny-model draft tests
+/// (`crates/te-engine/tests/speculative.rs`) and SmolLM2 drafting for
+/// itself above.
+#[test]
+#[ignore = "slow: Qwen2.5-Coder 1.5B with the 0.5B as draft"]
+fn qwen_small_drafting_for_large_gives_the_reference_tokens() {
+    check_greedy_batched_with(
+        "qwen2.5-coder-1.5b",
+        &["--model-draft", "qwen2.5-coder-0.5b", "--draft-max", "4"],
+    );
+}
