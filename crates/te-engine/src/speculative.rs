@@ -403,8 +403,9 @@ impl<'a> DraftModel<'a> {
                     tokens: tokens.len(),
                     source,
                 });
-            let logits = match out {
-                Ok(StepOutput::Logits(l)) => l.to_vec(),
+            // Each sequence's greedy token.
+            let picks: Vec<u32> = match out {
+                Ok(StepOutput::Logits(l)) => l.chunks_exact(vocab).map(argmax).collect(),
                 Ok(StepOutput::Tokens(_)) => unreachable!("a CPU runner returns logits"),
                 Err(e) => {
                     self.clear()?;
@@ -417,7 +418,7 @@ impl<'a> DraftModel<'a> {
                 *fed += n;
                 // Caught up: the row of the sequence's last token drafts.
                 if *fed >= wants[i].tokens.len() {
-                    drafts[i].push(argmax(&logits[b * vocab..(b + 1) * vocab]));
+                    drafts[i].push(picks[b]);
                     if drafts[i].len() < wants[i].k {
                         next.push(i);
                     }
