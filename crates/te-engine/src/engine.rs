@@ -611,6 +611,8 @@ impl<'a> Engine<'a> {
         if self.sched.running().is_empty() {
             return Ok(events);
         }
+        // A step's time includes its drafting (a draft model's steps).
+        let start = Instant::now();
         self.propose_drafts()?;
         let feed = match self.sched.schedule()? {
             Schedule::Idle => return Ok(events),
@@ -621,7 +623,6 @@ impl<'a> Engine<'a> {
             Schedule::Step { feed } => feed,
         };
         let (tokens, prefill) = self.sched.step_tokens(&feed);
-        let start = Instant::now();
         let vocab = self.model.config.vocab_size;
         // Logit rows per fed sequence: its draft's and the one before it.
         let drafting = self.sched.running().iter().any(|s| !s.draft.is_empty());
