@@ -2,8 +2,8 @@
 //! Qwen2.5-Coder 1.5B Instruct (Q4_K_M) as the target, on three
 //! workloads: code completion, code editing (the answer rewrites a given
 //! function, so it repeats much of the prompt) and free chat; te's plain
-//! decode and prompt lookup (`--draft-ngram 3`, adaptive length) at batch
-//! 1 and 8, beside llama.cpp's `llama-completion` (plain),
+//! decode, prompt lookup (`--draft-ngram 3`, adaptive length) and the
+//! 0.5B as draft model at batch 1 and 8, beside llama.cpp's `llama-completion` (plain),
 //! `llama-speculative` (the 0.5B Instruct as draft, `--draft-max 8`) and
 //! `llama-lookup` (`--draft-max 8`) at batch 1, same prompt files, same
 //! run, greedy, `NEW_TOKENS` tokens, `--ignore-eos`.
@@ -13,8 +13,8 @@
 //! `decoded ... speed` line of the speculative tools and the `eval time`
 //! tokens per second of `llama-completion` (prompt excluded in both).
 //! Batch 8 is eight copies of the prompt (their prompt pages shared).
-//! te's draft-model source (`--model-draft`) is not implemented yet, so
-//! its column is llama.cpp's alone. Prints a markdown table for
+//! te's draft model (`--model-draft`, the 0.5B, `--draft-max 4`) runs at
+//! batch 1 and 8 as well. Prints a markdown table for
 //! docs/benchmarks.md. `--smoke`: the code-editing workload only, 48
 //! tokens, batch 1, te only (a check that the section runs). Not part of
 //! CI.
@@ -156,6 +156,14 @@ pub fn run(args: &[String]) -> anyhow::Result<Vec<String>> {
                 100.0 * num(&spec, "acceptance_rate")?,
                 num(&spec, "mean_accepted_length")?,
             ));
+            let with_model = te_run(&["--model-draft", &draft, "--draft-max", "4"])?;
+            let ts = num(&with_model, "decode_tokens_per_s")?;
+            rows.push(format!(
+                "| {name} | {batch} | te draft model (0.5B, `--draft-max 4`) | {ts:.1} | {:.2}x | {:.0}% | {:.2} |",
+                ts / plain_ts,
+                100.0 * num(&with_model, "acceptance_rate")?,
+                num(&with_model, "mean_accepted_length")?,
+            ));
             let Some(llama) = llama.as_ref().filter(|_| batch == 1) else {
                 continue;
             };
@@ -195,7 +203,8 @@ pub fn run(args: &[String]) -> anyhow::Result<Vec<String>> {
     rows.push(String::new());
     rows.push(format!(
         "Commands: `te generate --model FILE -t {t} --json --stats --ignore-eos --max-new-tokens {n} \
-         --max-batch-size B --prompt PROMPT` (B times) with and without `--draft-ngram 3`; \
+         --max-batch-size B --prompt PROMPT` (B times) plain, with `--draft-ngram 3`, and with \
+         `--model-draft DRAFT --draft-max 4`; \
          `llama-completion -m FILE -t {t} -n {n} -f PROMPT --temp 0 -no-cnv --ignore-eos`; \
          `llama-speculative -m FILE -md DRAFT -t {t} -n {n} -f PROMPT --temp 0 --draft-max 8 \
          --ignore-eos`; `llama-lookup` the same without `-md`."

@@ -1,9 +1,11 @@
 //! The speculative decoding flags shared by `te generate`, `te bench` and
-//! `te serve` (`--draft-ngram`, `--draft-max`, `--draft-min`), and the
-//! draft counters of `--stats` and `/metrics`.
+//! `te serve` (`--draft-ngram`, `--model-draft` (generate only, for now),
+//! `--draft-max`, `--draft-min`), the draft model's vocabulary check, and
+//! the draft counters of `--stats`.
 
 use te_engine::speculative::{DraftSource, SpeculativeConfig};
 use te_engine::EngineStats;
+use te_models::loader::LoadedModel;
 
 /// Speculative decoding by prompt lookup (see docs/ARCHITECTURE.md,
 /// "Speculative decoding"): greedy output is bit-identical to plain
@@ -13,28 +15,57 @@ pub struct DraftArgs {
     /// Prompt lookup: draft the tokens that followed the last earlier
     /// occurrence of the latest N tokens (prompt and output so far) and
     /// verify them in one step.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", conflicts_with = "model_draft")]
     pub draft_ngram: Option<usize>,
-    /// Draft exactly K tokens whenever the lookup has them (default: an
-    /// adaptive length, up to 16, that backs off when drafts are rejected
-    /// and does not draft where it would not pay).
-    #[arg(long, value_name = "K", requires = "draft_ngram")]
+    /// A draft model (`te generate` only): its greedy tokens are verified
+    /// in one step. Its vocabulary must equal the target's (every token).
+    #[arg(long, value_name = "MODEL")]
+    pub model_draft: Option<String>,
+    /// KV cache of the draft model, in tokens (default: --kv-cache-tokens).
+    #[arg(long, value_name = "N", requires = "model_draft")]
+    pub kv_cache_tokens_draft: Option<usize>,
+    /// Prompt lookup: draft exactly K tokens whenever the lookup has them
+    /// (default: an adaptive length, up to 16, that backs off when drafts
+    /// are rejected and does not draft where it would not pay). Draft
+    /// model: K tokens per verification (default 4).
+    #[arg(long, value_name = "K")]
     pub draft_max: Option<usize>,
     /// Verify no draft shorter than this.
-    #[arg(long, value_name = "K", default_value_t = 1, requires = "draft_ngram")]
+    #[arg(long, value_name = "K", default_value_t = 1)]
     pub draft_min: usize,
 }
 
 impl DraftArgs {
-    /// The engine setting (`None` without `--draft-ngram`).
+    /// The engine setting of a command without draft models (`None`
+    /// without `--draft-ngram`).
     ///
-    /// Errors: a value out of range, naming the flag.
+    /// Errors: `--model-draft` (`te generate` only), and those of
+    /// [`config_with_model`](Self::config_with_model).
     pub fn config(&self) -> anyhow::Result<Option<SpeculativeConfig>> {
-        let Some(n) = self.draft_ngram else {
-            return Ok(None);
+        if self.model_draft.is_some() {
+            anyhow::bail!("--model-draft: only `te generate` takes a draft model for now");
+        }
+        self.config_with_model()
+    }
+
+    /// The engine setting (`None` without `--draft-ngram` or
+    /// `--model-draft`).
+    ///
+    /// Errors: a value out of range, naming the flag; --draft-max without
+    /// a draft source.
+    pub fn config_with_model(&self) -> anyhow::Result<Option<SpeculativeConfig>> {
+        let source = match (self.draft_ngram, &self.model_draft) {
+            (Some(n), _) => DraftSource::Ngram(n),
+            (None, Some(_)) => DraftSource::Model,
+            (None, None) => {
+                if self.draft_max.is_some() || self.draft_min != 1 {
+                    anyhow::bail!("--draft-max/--draft-min need --draft-ngram or --model-draft");
+                }
+                return Ok(None);
+            }
         };
         let config = SpeculativeConfig {
-            source: DraftSource::Ngram(n),
+            source,
             draft_max: self.draft_max,
             draft_min: self.draft_min,
         };
@@ -43,6 +74,48 @@ impl DraftArgs {
         }
         Ok(Some(config))
     }
+}
+
+/// Loads `--model-draft`, if given, and checks that its vocabulary is
+/// `target`'s: the same size in the model and the tokenizer, and every
+/// token the same piece.
+///
+/// Errors: loading fails; a vocabulary differs (naming the first token
+/// that does).
+pub fn load_draft(args: &DraftArgs, target: &LoadedModel) -> anyhow::Result<Option<LoadedModel>> {
+    let Some(spec) = &args.model_draft else {
+        return Ok(None);
+    };
+    let draft = crate::load(spec)?;
+    let (v, dv) = (
+        target.model.config.vocab_size,
+        draft.model.config.vocab_size,
+    );
+    if v != dv {
+        anyhow::bail!(
+            "--model-draft {spec}: its vocabulary has {dv} tokens, the target's {v}; \
+             a draft model needs the target's vocabulary"
+        );
+    }
+    let (t, d) = (&target.tokenizer, &draft.tokenizer);
+    if t.vocab_size() != d.vocab_size() {
+        anyhow::bail!(
+            "--model-draft {spec}: its tokenizer has {} tokens, the target's {}",
+            d.vocab_size(),
+            t.vocab_size()
+        );
+    }
+    if let Some(id) =
+        (0..t.vocab_size() as u32).find(|&id| t.token_to_piece(id) != d.token_to_piece(id))
+    {
+        anyhow::bail!(
+            "--model-draft {spec}: token {id} is {:?} in the draft's vocabulary and {:?} in the \
+             target's; a draft model needs the target's vocabulary",
+            d.token_to_piece(id),
+            t.token_to_piece(id)
+        );
+    }
+    Ok(Some(draft))
 }
 
 /// The draft counters as JSON fields: `draft_tokens`, `accepted_tokens`,

@@ -314,10 +314,14 @@ impl Job<'_> {
             kv_cache_tokens: args.kv_cache_tokens,
             prefix_caching: !args.no_prefix_caching,
             gpu: self.gpu.clone(),
-            speculative: args.draft.config()?,
+            speculative: args.draft.config_with_model()?,
             ..EngineConfig::default()
         };
         let model = &self.loaded.model;
+        let draft = match comm {
+            Some(_) => None,
+            None => crate::draft::load_draft(&args.draft, self.loaded)?,
+        };
         let mut engine = match comm {
             Some(comm) => Engine::with_context_parallel(
                 model,
@@ -325,7 +329,16 @@ impl Job<'_> {
                 config,
                 ContextParallel::new(comm)?,
             )?,
-            None => Engine::new(model, Some(tokenizer), config)?,
+            None => match &draft {
+                Some(d) => Engine::with_draft_model(
+                    model,
+                    Some(tokenizer),
+                    config,
+                    &d.model,
+                    args.draft.kv_cache_tokens_draft,
+                )?,
+                None => Engine::new(model, Some(tokenizer), config)?,
+            },
         };
         if print {
             let ranks = engine.context_parallel().map_or(1, |cp| cp.cp_size());
@@ -459,7 +472,7 @@ impl Job<'_> {
                 "preemptions": s.preemptions,
                 "seed": self.sampling.seed,
             });
-            if args.draft.draft_ngram.is_some() {
+            if args.draft.draft_ngram.is_some() || args.draft.model_draft.is_some() {
                 if let (Some(l), serde_json::Value::Object(d)) =
                     (line.as_object_mut(), crate::draft::stats_json(s))
                 {

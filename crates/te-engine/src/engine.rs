@@ -47,8 +47,9 @@
 //!   cache can take its part), so every rank makes the same decisions and
 //!   samples the same tokens. Prefix sharing is off.
 //!
-//! - **Speculative decoding** ([`EngineConfig::speculative`], prompt
-//!   lookup, [`crate::speculative`]): a decoding sequence's drafted tokens
+//! - **Speculative decoding** ([`EngineConfig::speculative`]: prompt
+//!   lookup, or a draft model with [`Engine::with_draft_model`];
+//!   [`crate::speculative`]): a decoding sequence's drafted tokens
 //!   are verified as one chunk of `k + 1` rows inside the ordinary step
 //!   (beside other sequences' decode and prefill), the accepted ones and
 //!   the model's own next token are emitted one by one through the same
@@ -79,7 +80,9 @@ use crate::output::{Event, FinishReason, Usage};
 use crate::request::{invalid, Request, RequestError, RequestId};
 use crate::sampling::{Sampler, TokenLogprobs};
 use crate::scheduler::{Schedule, Scheduler, SchedulerConfig, SeqState};
-use crate::speculative::{CostModel, Drafter, SpeculativeConfig};
+use crate::speculative::{
+    CostModel, DraftModel, DraftSource, DraftWant, Drafter, SpeculativeConfig,
+};
 use crate::text::TextState;
 
 /// Engine settings.
@@ -238,6 +241,8 @@ pub struct Engine<'a> {
     cost: CostModel,
     /// Longest feed of one sequence in one step.
     prefill_chunk: usize,
+    /// The draft model of [`DraftSource::Model`] ([`Engine::with_draft_model`]).
+    draft_model: Option<DraftModel<'a>>,
 }
 
 impl<'a> Engine<'a> {
@@ -307,7 +312,52 @@ impl<'a> Engine<'a> {
             cost: CostModel::new(),
             prefill_chunk: config.prefill_chunk.max(1),
             runner,
+            draft_model: None,
         })
+    }
+
+    /// An engine whose speculative decoding drafts with `draft`
+    /// (`config.speculative` with [`DraftSource::Model`]): the draft model
+    /// has its own KV pool of `kv_cache_tokens_draft` tokens (`None`: as
+    /// many as the target's) and runs on the CPU beside the target.
+    ///
+    /// Errors: those of [`Engine::new`]; a draft model whose vocabulary
+    /// size differs from the target's (callers with tokenizers also check
+    /// that every token is the same); `config.speculative` not a draft
+    /// model; a GPU config.
+    pub fn with_draft_model(
+        model: &'a Model,
+        tokenizer: Option<&'a Tokenizer>,
+        config: EngineConfig,
+        draft: &'a Model,
+        kv_cache_tokens_draft: Option<usize>,
+    ) -> Result<Self> {
+        let setting = |reason: String| EngineError::Setting {
+            setting: "model_draft",
+            reason,
+        };
+        if config.speculative.map(|s| s.source) != Some(DraftSource::Model) {
+            return Err(setting(
+                "the engine's speculative source is not the draft model".into(),
+            ));
+        }
+        if config.gpu.is_some() {
+            return Err(setting("a draft model runs on the CPU only".into()));
+        }
+        let (v, dv) = (model.config.vocab_size, draft.config.vocab_size);
+        if v != dv {
+            return Err(setting(format!(
+                "the draft model's vocabulary has {dv} tokens, the target's {v}"
+            )));
+        }
+        let kv = kv_cache_tokens_draft
+            .or(config.kv_cache_tokens)
+            .unwrap_or_else(|| Self::default_kv_cache_tokens(draft));
+        let chunk = config.prefill_chunk.max(1);
+        let (page_size, batch) = (config.page_size, config.max_batch_size);
+        let mut engine = Self::new(model, tokenizer, config)?;
+        engine.draft_model = Some(DraftModel::new(draft, kv, page_size, batch, chunk)?);
+        Ok(engine)
     }
 
     /// Rank `cp.cp_rank()` of a context-parallel engine group: call it on
@@ -562,7 +612,9 @@ impl<'a> Engine<'a> {
         if self.sched.running().is_empty() {
             return Ok(events);
         }
-        self.propose_drafts();
+        // A step's time includes its drafting (a draft model's steps).
+        let start = Instant::now();
+        self.propose_drafts()?;
         let feed = match self.sched.schedule()? {
             Schedule::Idle => return Ok(events),
             Schedule::PoolFull(seq) => {
@@ -572,7 +624,6 @@ impl<'a> Engine<'a> {
             Schedule::Step { feed } => feed,
         };
         let (tokens, prefill) = self.sched.step_tokens(&feed);
-        let start = Instant::now();
         let vocab = self.model.config.vocab_size;
         // Logit rows per fed sequence: its draft's and the one before it.
         let drafting = self.sched.running().iter().any(|s| !s.draft.is_empty());
@@ -680,6 +731,9 @@ impl<'a> Engine<'a> {
             };
             let drafted = seq.draft.len();
             *rej = drafted - accepted;
+            if let Some(dm) = self.draft_model.as_mut() {
+                dm.accept(seq.id, seq.tokens.len() + accepted)?;
+            }
             seq.tokens.extend_from_slice(&seq.draft[..accepted]);
             if let Some(d) = seq.data.drafter.as_mut() {
                 if drafted > 0 {
@@ -762,19 +816,52 @@ impl<'a> Engine<'a> {
             let seq = self.sched.finish(i)?;
             events.push(self.finish(seq, reason));
         }
+        if let Some(dm) = self.draft_model.as_mut() {
+            // Finished, aborted and preempted sequences leave the draft
+            // cache (a preempted one catches up again when it decodes).
+            let running: Vec<u64> = self.sched.running().iter().map(|s| s.id).collect();
+            dm.retain(|id| running.contains(&id))?;
+        }
         Ok(events)
     }
 
     /// Gives every decoding sequence its draft for the next step (none
     /// without speculative decoding, or with context parallelism): at most
     /// what its length limit and a step's chunk leave room for.
-    fn propose_drafts(&mut self) {
+    ///
+    /// Errors: a failing draft model step.
+    fn propose_drafts(&mut self) -> Result<()> {
         if self.speculative.is_none() || self.sched.context_parallel().is_some() {
-            return;
+            return Ok(());
         }
         let batch = self.sched.running().len();
         let row_cost = self.cost.row_cost(batch);
         let chunk = self.prefill_chunk;
+        if let Some(dm) = self.draft_model.as_mut() {
+            let wants: Vec<DraftWant<'_>> = self
+                .sched
+                .running()
+                .iter()
+                .map(|seq| DraftWant {
+                    id: seq.id,
+                    tokens: &seq.tokens,
+                    k: match &seq.data.drafter {
+                        Some(d) if seq.decoding() => d.model_len(
+                            seq.data
+                                .limit
+                                .saturating_sub(seq.tokens.len() + 1)
+                                .min(chunk - 1),
+                        ),
+                        _ => 0,
+                    },
+                })
+                .collect();
+            let drafts = dm.draft(&wants)?;
+            for (seq, d) in self.sched.running_mut().iter_mut().zip(drafts) {
+                seq.draft = d;
+            }
+            return Ok(());
+        }
         for seq in self.sched.running_mut() {
             if !seq.decoding() {
                 continue;
@@ -790,6 +877,7 @@ impl<'a> Engine<'a> {
                 .min(chunk - 1);
             seq.draft = drafter.propose(&seq.tokens, room, batch, row_cost);
         }
+        Ok(())
     }
 
     /// Runs until every request is done, passing each event to `on_event`.

@@ -9,8 +9,8 @@
 //! [`scheduler::Scheduler`] (admission, chunking, preemption, prefix hits;
 //! testable without a model), [`EngineHandle`] (the engine on a thread of
 //! its own),
-//! [`sampling::Sampler`], [`speculative`] (prompt-lookup drafts verified
-//! inside the step), [`generate::generate`] (a batch of requests run
+//! [`sampling::Sampler`], [`speculative`] (drafts from prompt lookup or a
+//! draft model, verified inside the step), [`generate::generate`] (a batch of requests run
 //! to completion), [`perplexity`].
 //!
 //! Invariants: a request's tokens are the same alone and in any batch

@@ -1,9 +1,12 @@
-//! Speculative decoding by prompt lookup: a decoding sequence proposes the
-//! tokens that followed the last earlier occurrence of its latest `n`
-//! tokens (in its prompt and output so far), the target model scores the
-//! proposal as one chunk of `k + 1` rows inside the ordinary step, and the
-//! sequence keeps the longest prefix the model agrees with plus the
-//! model's own next token; te-cache's `truncate` rolls the rest back.
+//! Speculative decoding: a decoding sequence proposes a draft of tokens,
+//! the target model scores the draft as one chunk of `k + 1` rows inside
+//! the ordinary step, and the sequence keeps the longest prefix the model
+//! agrees with plus the model's own next token; te-cache's `truncate`
+//! rolls the rest back. Two sources ([`DraftSource`]): **prompt lookup**
+//! (the tokens that followed the last earlier occurrence of the sequence's
+//! latest `n` tokens in its prompt and output so far) and a **draft
+//! model** ([`crate::Engine::with_draft_model`]: its greedy tokens, from
+//! its own KV cache in the same engine).
 //!
 //! # What stays the same
 //!
@@ -16,7 +19,8 @@
 //! and the rest of the draft dropped.
 //!
 //! - **Greedy**: the tokens are bit-identical to plain greedy decoding.
-//! - **Sampled**: with a point-mass proposal `q = δ(x)` (prompt lookup),
+//! - **Sampled**: with a point-mass proposal `q = δ(x)` (prompt lookup,
+//!   and a draft model's greedy tokens: both a function of the context),
 //!   standard speculative sampling (accept `x` with probability
 //!   `min(1, p(x)/q(x)) = p(x)`, else draw from the normalised residual
 //!   `max(0, p - q)`, i.e. `p` without `x`) gives each token the law `p`;
@@ -28,6 +32,8 @@
 //!
 //! # How long a draft
 //!
+//! A draft model drafts `draft_max` tokens (default
+//! [`MODEL_DRAFT_DEFAULT`]) at every step. For prompt lookup,
 //! `draft_max: Some(k)` drafts `k` tokens whenever the lookup finds them.
 //! By default the length is adaptive and cost-aware: each sequence keeps
 //! an estimate `alpha` of the probability that a drafted token is
@@ -41,6 +47,14 @@
 //! positive, and does not draft otherwise (free text, where lookups
 //! rarely hold, then runs as plain decode).
 
+use std::collections::HashMap;
+
+use te_cache::{CacheError, CacheLayout, InferenceParams};
+use te_models::cuda::KvStore;
+use te_models::model::{Model, StepOutput};
+use te_models::runner::Runner;
+
+use crate::sampling::argmax;
 use crate::EngineError;
 
 /// Drafts longer than this are never proposed by the adaptive length.
@@ -52,7 +66,14 @@ pub enum DraftSource {
     /// Prompt lookup: the continuation of the last earlier occurrence of
     /// the latest `n` tokens in the prompt and output so far.
     Ngram(usize),
+    /// A draft model's greedy tokens (the engine's draft model,
+    /// [`crate::Engine::with_draft_model`]): `draft_max` of them (default
+    /// [`MODEL_DRAFT_DEFAULT`]) per verification, a fixed length.
+    Model,
 }
+
+/// Draft length of a draft model without `draft_max`.
+pub const MODEL_DRAFT_DEFAULT: usize = 4;
 
 /// Speculative decoding settings of an engine (every request it runs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,14 +99,13 @@ impl SpeculativeConfig {
 
     /// Checks ranges; the error names the setting.
     pub fn validate(&self) -> Result<(), EngineError> {
-        let DraftSource::Ngram(n) = self.source;
         let bad = |setting, reason: &str| {
             Err(EngineError::Setting {
                 setting,
                 reason: reason.into(),
             })
         };
-        if n == 0 {
+        if self.source == DraftSource::Ngram(0) {
             return bad("draft_ngram", "must be at least 1");
         }
         if self.draft_min == 0 {
@@ -207,7 +227,9 @@ impl Drafter {
         row_cost: f64,
     ) -> Vec<u32> {
         self.shadow = None;
-        let DraftSource::Ngram(n) = self.config.source;
+        let DraftSource::Ngram(n) = self.config.source else {
+            return Vec::new();
+        };
         let cap = self
             .config
             .draft_max
@@ -224,6 +246,21 @@ impl Drafter {
         }
         found.truncate(k);
         found
+    }
+
+    /// The length of a draft model's draft with `room` tokens left (0:
+    /// none).
+    pub(crate) fn model_len(&self, room: usize) -> usize {
+        let k = self
+            .config
+            .draft_max
+            .unwrap_or(MODEL_DRAFT_DEFAULT)
+            .min(room);
+        if k < self.config.draft_min {
+            0
+        } else {
+            k
+        }
     }
 
     /// The draft length in `0..=available` with the largest expected gain
@@ -261,6 +298,167 @@ impl Drafter {
 
     fn observe(&mut self, accepted: bool) {
         self.alpha += ALPHA_RATE * (f64::from(u8::from(accepted)) - self.alpha);
+    }
+}
+
+/// A draft model in the engine: its own runner (CPU) and paged KV cache,
+/// and how many tokens of each sequence that cache holds. Its drafts are
+/// its greedy tokens, so the proposal `q` is a point mass given the
+/// context and the engine's verification (module doc) is exact
+/// speculative sampling.
+pub(crate) struct DraftModel<'a> {
+    model: &'a Model,
+    runner: Runner,
+    cache: InferenceParams<KvStore>,
+    /// Tokens of each sequence in `cache`.
+    fed: HashMap<u64, usize>,
+    /// Longest feed of one sequence in one draft step.
+    chunk: usize,
+}
+
+/// What [`DraftModel::draft`] is asked for one sequence.
+pub(crate) struct DraftWant<'t> {
+    pub id: u64,
+    /// The sequence's tokens (its last one not yet fed to the target).
+    pub tokens: &'t [u32],
+    /// Tokens to draft.
+    pub k: usize,
+}
+
+impl<'a> DraftModel<'a> {
+    /// A draft model with a pool of `kv_tokens` tokens in pages of
+    /// `page_size`, for `max_batch_size` sequences fed at most `chunk`
+    /// tokens a step.
+    ///
+    /// Errors: the cache cannot be built.
+    pub(crate) fn new(
+        model: &'a Model,
+        kv_tokens: usize,
+        page_size: usize,
+        max_batch_size: usize,
+        chunk: usize,
+    ) -> Result<Self, EngineError> {
+        let runner = Runner::new(None);
+        let cache = runner.new_cache(
+            model,
+            max_batch_size,
+            model.config.max_position_embeddings,
+            chunk,
+            CacheLayout::Paged {
+                page_size,
+                total_num_pages: kv_tokens.div_ceil(page_size).max(1),
+            },
+        )?;
+        Ok(DraftModel {
+            model,
+            runner,
+            cache,
+            fed: HashMap::new(),
+            chunk,
+        })
+    }
+
+    /// The drafts of `wants` (empty where none): each sequence's cache is
+    /// first caught up with its tokens (a sequence more than a chunk
+    /// behind only catches up this step), then `k` greedy tokens are
+    /// generated, all sequences batched in each draft step. A full draft
+    /// pool is emptied (drafts resume as sequences catch up again).
+    ///
+    /// Errors: a failing draft forward.
+    pub(crate) fn draft(&mut self, wants: &[DraftWant<'_>]) -> Result<Vec<Vec<u32>>, EngineError> {
+        let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); wants.len()];
+        // Round 0 catches up and drafts the first token; later rounds one.
+        let behind = |w: &DraftWant<'_>| self.fed.get(&w.id).copied().unwrap_or(0) < w.tokens.len();
+        let mut active: Vec<usize> = (0..wants.len())
+            .filter(|&i| wants[i].k > 0 && behind(&wants[i]))
+            .collect();
+        let mut round = 0;
+        while !active.is_empty() {
+            let mut steps = Vec::with_capacity(active.len());
+            let mut tokens = Vec::new();
+            for &i in &active {
+                let w = &wants[i];
+                let fed = self.fed.get(&w.id).copied().unwrap_or(0);
+                let feed: &[u32] = if round == 0 {
+                    &w.tokens[fed..(fed + self.chunk).min(w.tokens.len())]
+                } else {
+                    &drafts[i][drafts[i].len() - 1..]
+                };
+                steps.push((w.id, feed.len()));
+                tokens.extend_from_slice(feed);
+            }
+            match self.cache.pre_step(&steps) {
+                Ok(()) => {}
+                Err(CacheError::CacheFull { .. }) => {
+                    self.clear()?;
+                    return Ok(vec![Vec::new(); wants.len()]);
+                }
+                Err(e) => return Err(e.into()),
+            }
+            let vocab = self.model.config.vocab_size;
+            let out = self
+                .runner
+                .step(self.model, &tokens, &mut self.cache, false)
+                .map_err(|source| EngineError::Step {
+                    tokens: tokens.len(),
+                    source,
+                });
+            // Each sequence's greedy token.
+            let picks: Vec<u32> = match out {
+                Ok(StepOutput::Logits(l)) => l.chunks_exact(vocab).map(argmax).collect(),
+                Ok(StepOutput::Tokens(_)) => unreachable!("a CPU runner returns logits"),
+                Err(e) => {
+                    self.clear()?;
+                    return Err(e);
+                }
+            };
+            let mut next = Vec::with_capacity(active.len());
+            for (b, (&i, &(id, n))) in active.iter().zip(&steps).enumerate() {
+                let fed = self.fed.entry(id).or_insert(0);
+                *fed += n;
+                // Caught up: the row of the sequence's last token drafts.
+                if *fed >= wants[i].tokens.len() {
+                    drafts[i].push(picks[b]);
+                    if drafts[i].len() < wants[i].k {
+                        next.push(i);
+                    }
+                }
+            }
+            active = next;
+            round += 1;
+        }
+        Ok(drafts)
+    }
+
+    /// Sequence `id` keeps `valid` tokens (its accepted ones): the draft
+    /// cache forgets any beyond them.
+    ///
+    /// Errors: the cache refused the rollback (an internal invariant).
+    pub(crate) fn accept(&mut self, id: u64, valid: usize) -> Result<(), EngineError> {
+        if let Some(fed) = self.fed.get_mut(&id) {
+            if *fed > valid {
+                self.cache.truncate(id, valid)?;
+                *fed = valid;
+            }
+        }
+        Ok(())
+    }
+
+    /// Releases every sequence for which `live` is false.
+    ///
+    /// Errors: the cache refused a release (an internal invariant).
+    pub(crate) fn retain(&mut self, live: impl Fn(u64) -> bool) -> Result<(), EngineError> {
+        let gone: Vec<u64> = self.fed.keys().copied().filter(|&id| !live(id)).collect();
+        for id in gone {
+            self.fed.remove(&id);
+            self.cache.release(id)?;
+        }
+        Ok(())
+    }
+
+    /// Releases every sequence.
+    fn clear(&mut self) -> Result<(), EngineError> {
+        self.retain(|_| false)
     }
 }
 

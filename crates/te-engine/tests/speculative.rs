@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, HashMap};
 use rand::{Rng, SeedableRng};
 use te_cache::CacheLayout;
 use te_engine::sampling::SamplingParams;
-use te_engine::speculative::{lookup, SpeculativeConfig};
+use te_engine::speculative::{lookup, DraftSource, SpeculativeConfig};
 use te_engine::{Engine, EngineConfig, EngineStats, Event, FinishReason, Request};
 use te_models::loader::{load_model, LoadedModel};
 use te_models::model::Logits;
@@ -375,4 +375,71 @@ fn sampling_keeps_the_distribution() {
         stat >= crit,
         "the wrong rule passed: chi2 {stat:.1} < {crit:.1}"
     );
+}
+
+/// A draft model (`DraftSource::Model`): greedy and seeded sampled
+/// requests give plain decoding's tokens (its drafts are its greedy
+/// tokens, a point-mass proposal, so each position's pick is the plain
+/// sampler's), with a poor draft (another random model of the same
+/// vocabulary) and a perfect one (the target itself), batched by 8 in a
+/// pool that preempts.
+#[test]
+fn draft_model_tokens_are_plain_decodings() {
+    let target = load("tiny-llama");
+    let other = load_model(&resolve_model("random:tiny-llama?seed=7").unwrap()).unwrap();
+    let mut requests: Vec<Request> = (0..8)
+        .map(|i| Request {
+            ignore_eos: true,
+            ..Request::new(prompt(i, 20 + 5 * i as usize, 6), 30)
+        })
+        .collect();
+    for r in &mut requests[4..] {
+        r.sampling = sampling(r.prompt_tokens.len() as u64);
+    }
+    let base = EngineConfig {
+        max_batch_size: 8,
+        page_size: 8,
+        kv_cache_tokens: Some(200),
+        prefill_chunk: 16,
+        ..EngineConfig::default()
+    };
+    let (plain, plain_stats) = run(&target, base.clone(), &requests);
+    assert!(plain_stats.preemptions > 0);
+    for (draft, name) in [(&other, "random draft"), (&target, "the target itself")] {
+        let config = EngineConfig {
+            speculative: Some(SpeculativeConfig {
+                source: DraftSource::Model,
+                draft_max: Some(3),
+                draft_min: 1,
+            }),
+            ..base.clone()
+        };
+        let mut engine = Engine::with_draft_model(
+            &target.model,
+            Some(&target.tokenizer),
+            config,
+            &draft.model,
+            Some(1000),
+        )
+        .unwrap();
+        for r in &requests {
+            engine.add_request(r.clone()).unwrap();
+        }
+        let mut out = Outputs::new();
+        engine
+            .run_to_completion(|e| match e {
+                Event::Token { id, token, .. } => out.entry(id).or_default().0.push(token),
+                Event::Finished { id, reason, .. } => out.entry(id).or_default().1 = Some(reason),
+            })
+            .unwrap();
+        assert_eq!(out, plain, "{name}");
+        let stats = engine.stats();
+        assert!(stats.verifications > 0, "{name}: {stats:?}");
+        if name == "the target itself" {
+            assert!(
+                stats.verifications > 40 && stats.acceptance_rate() > 0.4,
+                "{name}: {stats:?}"
+            );
+        }
+    }
 }
