@@ -1,8 +1,11 @@
 """The chat page in a real browser: headless Chromium (Debian's chromium and
 chromium-driver) through selenium loads `/`, enters the API key, sends a
 message at temperature 0, and the streamed answer appears on the page,
-equal to `te generate --chat`'s greedy answer; a second, long answer is
-stopped with the Stop button. Saves a screenshot.
+equal to `te generate --chat`'s greedy answer, with its speed and time to
+first token under it; a second, long answer is stopped with the Stop
+button. A reload keeps the conversation; a stored answer with a code block
+renders as highlighted code; screenshots at 1200 px (SCREENSHOT) and 400 px
+wide (SCREENSHOT with -400 before .png), where the settings stay usable.
 
 usage: browser.py BASE_URL API_KEY TE_BINARY MODEL SCREENSHOT.png
 """
@@ -42,7 +45,7 @@ def chromium_path(name):
 
 options = webdriver.ChromeOptions()
 options.binary_location = chromium_path("chromium")
-for arg in ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1100,800"]:
+for arg in ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1200,800"]:
     options.add_argument(arg)
 driver = webdriver.Chrome(service=Service(executable_path=chromium_path("chromedriver")), options=options)
 wait = WebDriverWait(driver, 120)
@@ -65,14 +68,16 @@ try:
     # The answer streams in: text appears while the generation still runs.
     wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".msg.assistant").text.strip())
     wait.until(lambda d: d.find_element(By.ID, "send").is_enabled())
-    answer = driver.find_element(By.CSS_SELECTOR, ".msg.assistant").get_attribute("textContent")
+    # The markdown source of the rendered answer.
+    answer = driver.find_element(By.CSS_SELECTOR, ".msg.assistant").get_attribute("data-raw")
     status = driver.find_element(By.ID, "status").text
     expected = te_chat(QUESTION, MAX_TOKENS)
     assert answer == expected, f"page answer {answer!r} != te generate --chat {expected!r}"
     assert status.startswith(("done", "stopped at the token limit")), status
     assert driver.find_element(By.CSS_SELECTOR, ".msg.user").text == QUESTION
-    driver.save_screenshot(SHOT)
-    print(f"ok chat page answer streamed: {answer!r}; screenshot {SHOT}")
+    meta = driver.find_element(By.CSS_SELECTOR, ".meta").text
+    assert re.fullmatch(r"\d+ tokens · [\d.]+ tokens/s · TTFT [\d.]+ s", meta), meta
+    print(f"ok chat page answer streamed: {answer!r}; {meta}")
 
     # A second turn of the same conversation, stopped midway.
     driver.execute_script("document.getElementById('max-tokens').value = '2000';")
@@ -87,5 +92,42 @@ try:
     assert driver.find_elements(By.CSS_SELECTOR, ".msg.assistant")[1].text == stopped, "nothing after Stop"
     assert driver.find_element(By.ID, "send").is_enabled()
     print(f"ok stop button ended the second answer after {len(stopped)} characters")
+
+    # A reload keeps the conversation (and the API key).
+    raws = lambda d: [m.get_attribute("data-raw") for m in d.find_elements(By.CSS_SELECTOR, ".msg.assistant")]
+    before = raws(driver)
+    driver.refresh()
+    wait.until(lambda d: d.find_element(By.ID, "model").text == MODEL)
+    assert [m.text for m in driver.find_elements(By.CSS_SELECTOR, ".msg.user")][0] == QUESTION
+    assert raws(driver) == before, f"{raws(driver)} != {before}"
+    print("ok a reload keeps the conversation")
+
+    # An answer with a code block renders as highlighted code.
+    code_answer = "Here it is:\n\n```python\ndef add(a, b):\n    return a + b  # the sum\n```\n\nCall **add**."
+    driver.execute_script(
+        "localStorage.setItem('te-chat-conversation', JSON.stringify(arguments[0]));",
+        [{"role": "user", "content": "Write a Python function that adds two numbers."},
+         {"role": "assistant", "content": code_answer, "meta": "21 tokens · 30.0 tokens/s · TTFT 0.10 s"}])
+    driver.refresh()
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant pre code"))
+    code = driver.find_element(By.CSS_SELECTOR, ".msg.assistant pre code")
+    assert code.text == "def add(a, b):\n    return a + b  # the sum", repr(code.text)
+    kinds = {e.get_attribute("class") for e in code.find_elements(By.CSS_SELECTOR, "span")}
+    assert {"tok-kw", "tok-com"} <= kinds, kinds
+    assert driver.find_element(By.CSS_SELECTOR, ".msg.assistant strong").text == "add"
+    assert driver.find_element(By.CSS_SELECTOR, "link[rel=icon]").get_attribute("href").startswith("data:image/svg")
+    driver.save_screenshot(SHOT)
+    print(f"ok a code answer renders highlighted; screenshot {SHOT}")
+
+    # Phone width: the settings are on screen and usable.
+    driver.set_window_size(400, 800)
+    time.sleep(0.3)
+    temperature = driver.find_element(By.ID, "temperature")
+    assert temperature.is_displayed()
+    box = temperature.rect
+    assert box["x"] >= 0 and box["x"] + box["width"] <= 400, box
+    narrow = SHOT[:-4] + "-400.png"
+    driver.save_screenshot(narrow)
+    print(f"ok the settings are usable at 400 px; screenshot {narrow}")
 finally:
     driver.quit()

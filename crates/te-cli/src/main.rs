@@ -266,3 +266,106 @@ mod alloc_policy {
         }
     }
 }
+
+/// README.md against the command definition: its `te ...` commands parse,
+/// and every long option of every subcommand is documented.
+#[cfg(test)]
+mod readme {
+    use clap::CommandFactory;
+
+    fn readme() -> String {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md");
+        std::fs::read_to_string(path).expect("README.md")
+    }
+
+    /// Shell words of `line` (quotes removed; a `#` outside quotes starts a
+    /// comment).
+    fn words(line: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut word: Option<String> = None;
+        let mut quote: Option<char> = None;
+        for c in line.chars() {
+            match (quote, c) {
+                (Some(q), c) if c == q => quote = None,
+                (Some(_), c) => word.get_or_insert_with(String::new).push(c),
+                (None, '\'' | '"') => {
+                    quote = Some(c);
+                    word.get_or_insert_with(String::new);
+                }
+                (None, '#') if word.is_none() => break,
+                (None, c) if c.is_whitespace() => out.extend(word.take()),
+                (None, c) => word.get_or_insert_with(String::new).push(c),
+            }
+        }
+        out.extend(word);
+        out
+    }
+
+    /// The `te ...` command lines of the README's shell code blocks, with
+    /// `\` continuations joined.
+    fn commands(text: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut in_block = false;
+        let mut pending = String::new();
+        for line in text.lines() {
+            if line.starts_with("```") {
+                in_block = !in_block && (line == "```sh" || line == "```bash");
+                continue;
+            }
+            if !in_block {
+                continue;
+            }
+            let line = line.trim();
+            if let Some(head) = line.strip_suffix('\\') {
+                pending.push_str(head);
+                continue;
+            }
+            let full = std::mem::take(&mut pending) + line;
+            if full.starts_with("te ") {
+                out.push(full);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn readme_commands_parse() {
+        let text = readme();
+        let commands = commands(&text);
+        assert!(commands.len() > 20, "found only {commands:?}");
+        for c in commands {
+            // A pipe's later commands are not te's.
+            let c = c.split(" | ").next().unwrap_or_default();
+            if let Err(e) = super::Cli::command().try_get_matches_from(words(c)) {
+                panic!("README.md: `{c}` does not parse:\n{e}");
+            }
+        }
+    }
+
+    #[test]
+    fn every_option_is_in_the_readme() {
+        let text = readme();
+        let mut missing = Vec::new();
+        for sub in super::Cli::command().get_subcommands() {
+            for arg in sub.get_arguments() {
+                if let Some(long) = arg.get_long() {
+                    if long != "help" && !text.contains(&format!("--{long}")) {
+                        missing.push(format!("te {} --{long}", sub.get_name()));
+                    }
+                }
+            }
+        }
+        assert!(
+            missing.is_empty(),
+            "README.md does not document {missing:?}"
+        );
+    }
+
+    #[test]
+    fn words_split_like_a_shell() {
+        assert_eq!(
+            words(r#"te a "b c" 'd "e"' f # g"#),
+            ["te", "a", "b c", "d \"e\"", "f"]
+        );
+    }
+}

@@ -1,6 +1,9 @@
 //! Safetensors weights of a Hugging Face directory (a single
 //! `model.safetensors` or shards listed in `model.safetensors.index.json`),
-//! memory-mapped, as a [`TensorSource`].
+//! memory-mapped, as a [`TensorSource`]. Matrices stored as bf16 or f16
+//! stay so, read in place from the file map (resident once, in the page
+//! cache, as stored); te-kernels' matrix products decode them with f32
+//! accumulation, as they do GGUF bf16/f16 weights.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -8,7 +11,9 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use crate::hf_config::{parse_json, read_json};
-use crate::tensor::{StoredTensor, TensorSource};
+use te_kernels::quant::GgmlType;
+
+use crate::tensor::{StoredTensor, TensorSource, WeightBytes, WeightData};
 use crate::{FormatError, Result};
 
 /// Safetensors weights of a Hugging Face directory, memory-mapped.
@@ -16,7 +21,7 @@ pub struct SafetensorsSource {
     /// The model directory.
     dir: PathBuf,
     /// The mapped files, kept alive for `index`.
-    files: Vec<(PathBuf, memmap2::Mmap)>,
+    files: Vec<(PathBuf, std::sync::Arc<memmap2::Mmap>)>,
     /// Tensor name -> index into `files`.
     index: HashMap<String, usize>,
     /// Every tensor's header entry, file by file in header order.
@@ -108,7 +113,7 @@ impl SafetensorsSource {
             entries.sort_by_key(|(_, info)| info.data_offsets.0);
             for (name, info) in entries {
                 if let Some(&other) = index.get(&name) {
-                    let (other_path, _): &(PathBuf, memmap2::Mmap) = &files[other];
+                    let (other_path, _): &(PathBuf, std::sync::Arc<memmap2::Mmap>) = &files[other];
                     return Err(FormatError::Format {
                         path: path.clone(),
                         reason: format!(
@@ -134,7 +139,7 @@ impl SafetensorsSource {
                     ),
                 });
             }
-            files.push((path, mmap));
+            files.push((path, std::sync::Arc::new(mmap)));
         }
         Ok(SafetensorsSource {
             dir: dir.to_path_buf(),
@@ -177,6 +182,42 @@ impl TensorSource for SafetensorsSource {
     }
 
     fn load(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        self.with_view(name, |view, _| Self::to_f32(name, view))
+    }
+
+    /// bf16 and f16 matrices as stored ([`WeightData::Quantized`] of
+    /// [`GgmlType::BF16`] / [`GgmlType::F16`], mapped from the file); f32
+    /// ones as f32.
+    fn load_matrix(&self, name: &str) -> Result<(Vec<usize>, WeightData)> {
+        self.with_view(name, |view, mmap| {
+            let ty = match view.dtype() {
+                safetensors::Dtype::BF16 => GgmlType::BF16,
+                safetensors::Dtype::F16 => GgmlType::F16,
+                _ => {
+                    return Ok((
+                        view.shape().to_vec(),
+                        WeightData::F32(Self::to_f32(name, view)?.1),
+                    ))
+                }
+            };
+            let bytes = view.data();
+            let start = bytes.as_ptr() as usize - mmap.as_ptr() as usize;
+            let data = WeightBytes::mapped(mmap.clone(), start..start + bytes.len());
+            Ok((view.shape().to_vec(), WeightData::Quantized { ty, data }))
+        })
+    }
+}
+
+impl SafetensorsSource {
+    /// Calls `f` with tensor `name`'s view and the map of its file.
+    fn with_view<T>(
+        &self,
+        name: &str,
+        f: impl FnOnce(
+            &safetensors::tensor::TensorView<'_>,
+            &std::sync::Arc<memmap2::Mmap>,
+        ) -> Result<T>,
+    ) -> Result<T> {
         let missing = || FormatError::Tensor {
             tensor: name.to_string(),
             reason: "missing from the safetensors files".into(),
@@ -188,6 +229,14 @@ impl TensorSource for SafetensorsSource {
             reason: format!("invalid safetensors: {e}"),
         })?;
         let view = st.tensor(name).map_err(|_| missing())?;
+        f(&view, mmap)
+    }
+
+    /// A tensor's values as f32.
+    fn to_f32(
+        name: &str,
+        view: &safetensors::tensor::TensorView<'_>,
+    ) -> Result<(Vec<usize>, Vec<f32>)> {
         let bytes = view.data();
         let data: Vec<f32> = match view.dtype() {
             safetensors::Dtype::F32 => bytes

@@ -152,7 +152,8 @@ impl std::fmt::Debug for WeightBytes {
 pub enum WeightData {
     /// f32, row-major.
     F32(Vec<f32>),
-    /// GGUF blocks of type `ty`, `cols / block_len` blocks per row, kept as
+    /// GGUF blocks of type `ty` (or bf16/f16 values from safetensors, blocks
+    /// of one), `cols / block_len` blocks per row, kept as
     /// stored and decoded inside the matrix kernel (te-kernels' `matmul`; the
     /// values are exactly those of a full dequantization).
     Quantized { ty: GgmlType, data: WeightBytes },

@@ -40,7 +40,8 @@ pub struct ModelInfo {
     /// Whether the model ships a chat template (`te generate --chat`).
     pub chat_template: bool,
     /// Weights fully dequantized to f32: `parameters * 4` bytes (the most
-    /// te-rs holds; GGUF block-quantized matrices may stay as stored).
+    /// te-rs holds; GGUF block-quantized and bf16/f16 matrices stay as
+    /// stored).
     pub weights_f32_bytes: u64,
     /// Bytes of tensor data in the file(s), as stored.
     pub weights_stored_bytes: u64,

@@ -1,5 +1,7 @@
-//! Model weights in f32, loaded through a [`TensorSource`] (GGUF or
-//! safetensors) by one name mapping per file format, after
+//! Model weights, loaded through a [`TensorSource`] (GGUF or safetensors)
+//! by one name mapping per file format: vectors in f32, matrices as the
+//! source hands them out ([`TensorSource::load_matrix`]: f32, or GGUF blocks
+//! and bf16/f16 kept as stored), after
 //! [`crate::validate`] has checked the tensors against the config.
 
 use std::collections::HashMap;
