@@ -471,10 +471,14 @@ impl Drop for Run {
             id = %self.meta.id,
             route = self.meta.endpoint.path(),
             prompt_tokens = self.prepared.tokens.len(),
-            generated_tokens = self.generated,
+            generated_tokens = self.choices.iter().map(|c| c.generated).sum::<usize>(),
             ttft_ms = self.timing.first.map(|t| (t * 1000.0).round() as u64),
             status = 200,
-            finish = if self.settled { "done" } else { "abort" },
+            finish = if self.choices.iter().all(|c| c.done) {
+                "done"
+            } else {
+                "abort"
+            },
             "request"
         );
     }
