@@ -154,6 +154,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .with_target(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_max_level(tracing::Level::INFO)
+        // A closed stderr must not fail requests: the subscriber would
+        // report its own write error with `eprintln!`, which panics there.
+        .log_internal_errors(false)
         .try_init();
     for (name, v) in [
         ("--max-batch-size", args.max_batch_size),
