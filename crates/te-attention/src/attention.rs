@@ -416,6 +416,38 @@ impl Positions<'_> {
     }
 }
 
+/// One side (queries or keys) of a batch, for reading its per-sequence
+/// lengths.
+struct Side<'a> {
+    /// The offsets' argument name in errors (`cu_seqlens_q` / `cu_seqlens_kv`).
+    arg: &'static str,
+    format: QkvFormat,
+    cu: Option<&'a [i32]>,
+    max_seqlen: usize,
+}
+
+impl Side<'_> {
+    /// Per-sequence lengths into `out` (`batch` entries): from the offsets
+    /// for thd (unbounded) or a padding mask (each at most `max_seqlen`),
+    /// else every sequence is `max_seqlen` long.
+    fn lengths(
+        &self,
+        mask: AttnMaskType,
+        batch: usize,
+        out: &mut Vec<usize>,
+    ) -> Result<(), AttentionError> {
+        if self.format == QkvFormat::Thd {
+            lengths_from_cu(self.arg, self.cu, batch, None, out)
+        } else if mask.is_padding() {
+            lengths_from_cu(self.arg, self.cu, batch, Some(self.max_seqlen), out)
+        } else {
+            out.clear();
+            out.resize(batch, self.max_seqlen);
+            Ok(())
+        }
+    }
+}
+
 pub(crate) fn lengths_from_cu(
     arg: &'static str,
     cu: Option<&[i32]>,
@@ -563,20 +595,13 @@ impl DotProductAttention {
         // Query lengths and the Q / out / lse shapes.
         let q_thd = self.qkv_format == QkvFormat::Thd;
         let sq = &mut plan.sq;
-        if q_thd {
-            lengths_from_cu("cu_seqlens_q", meta.cu_seqlens_q, b, None, sq)?;
-        } else if mask.is_padding() {
-            lengths_from_cu(
-                "cu_seqlens_q",
-                meta.cu_seqlens_q,
-                b,
-                Some(meta.max_seqlen_q),
-                sq,
-            )?;
-        } else {
-            sq.clear();
-            sq.resize(b, meta.max_seqlen_q);
-        }
+        let q_side = Side {
+            arg: "cu_seqlens_q",
+            format: self.qkv_format,
+            cu: meta.cu_seqlens_q,
+            max_seqlen: meta.max_seqlen_q,
+        };
+        q_side.lengths(mask, b, sq)?;
         let t_q = if q_thd { sq.iter().sum() } else { 0 };
         let q_shape = |d| shape(self.qkv_format, b, meta.max_seqlen_q, t_q, hq, d);
         check_len("q", q_len, &q_shape(dqk))?;
@@ -594,20 +619,13 @@ impl DotProductAttention {
         match kv {
             KvLens::Tensors { k, v } => {
                 let kv_thd = self.kv_format == QkvFormat::Thd;
-                if kv_thd {
-                    lengths_from_cu("cu_seqlens_kv", meta.cu_seqlens_kv, b, None, skv)?;
-                } else if mask.is_padding() {
-                    lengths_from_cu(
-                        "cu_seqlens_kv",
-                        meta.cu_seqlens_kv,
-                        b,
-                        Some(meta.max_seqlen_kv),
-                        skv,
-                    )?;
-                } else {
-                    skv.clear();
-                    skv.resize(b, meta.max_seqlen_kv);
-                }
+                let kv_side = Side {
+                    arg: "cu_seqlens_kv",
+                    format: self.kv_format,
+                    cu: meta.cu_seqlens_kv,
+                    max_seqlen: meta.max_seqlen_kv,
+                };
+                kv_side.lengths(mask, b, skv)?;
                 let t_kv = if kv_thd { skv.iter().sum() } else { 0 };
                 let kv_shape = |d| shape(self.kv_format, b, meta.max_seqlen_kv, t_kv, hkv, d);
                 check_len("k", *k, &kv_shape(dqk))?;
