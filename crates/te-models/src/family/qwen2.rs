@@ -31,11 +31,12 @@ pub static QWEN2: Family = Family {
     sandwich_norms: false,
     hf_use_sliding_window: true,
     local_rope_unscaled: false,
-    from_hf,
+    from_hf: qwen_from_hf,
     from_gguf: |_, _| Ok(Specifics::default()),
 };
 
-fn from_hf(raw: &HfConfig, s: &Shared) -> Result<Specifics> {
+/// Qwen2's and Qwen3's Hugging Face specifics: their sliding windows.
+pub(super) fn qwen_from_hf(raw: &HfConfig, s: &Shared) -> Result<Specifics> {
     Ok(Specifics {
         layer_windows: qwen_windows(raw, s)?,
         ..Specifics::default()
@@ -47,7 +48,7 @@ fn from_hf(raw: &HfConfig, s: &Shared) -> Result<Specifics> {
 /// none, whatever else is written); `layer_types`, when given (and always
 /// checked), says which layers slide; without it layers `i >=
 /// max_window_layers` do. `None`: every layer global.
-pub(super) fn qwen_windows(raw: &HfConfig, s: &Shared) -> Result<Option<Vec<Option<usize>>>> {
+fn qwen_windows(raw: &HfConfig, s: &Shared) -> Result<Option<Vec<Option<usize>>>> {
     let window = raw.sliding_window.filter(|_| raw.use_sliding_window == Some(true));
     if let Some(types) = &raw.layer_types {
         let slides = hf_layer_types(types, 1)?;

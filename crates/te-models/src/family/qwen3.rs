@@ -6,13 +6,11 @@
 //! off in released configs). The MoE models (`qwen3_moe`) are another
 //! architecture, not run.
 
-use te_formats::hf_config::HfConfig;
 use te_kernels::activation::Activation;
 use te_kernels::rope::RopeConvention;
 
-use super::descriptor::{Family, Shared, Specifics};
-use super::qwen2::qwen_windows;
-use crate::Result;
+use super::descriptor::{Family, Specifics};
+use super::qwen2::qwen_from_hf;
 
 /// The Qwen3 family.
 pub static QWEN3: Family = Family {
@@ -30,13 +28,6 @@ pub static QWEN3: Family = Family {
     sandwich_norms: false,
     hf_use_sliding_window: true,
     local_rope_unscaled: false,
-    from_hf,
+    from_hf: qwen_from_hf,
     from_gguf: |_, _| Ok(Specifics::default()),
 };
-
-fn from_hf(raw: &HfConfig, s: &Shared) -> Result<Specifics> {
-    Ok(Specifics {
-        layer_windows: qwen_windows(raw, s)?,
-        ..Specifics::default()
-    })
-}
