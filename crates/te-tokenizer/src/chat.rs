@@ -649,11 +649,27 @@ mod tests {
         // in all (each concatenation's size is charged before it is made).
         let template = "{% set ns = namespace(s='x') %}{% for i in range(60) %}\
                         {% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}";
+        // The process's peak resident memory (Linux), in bytes.
+        let peak = || -> Option<u64> {
+            let status = std::fs::read_to_string("/proc/self/status").ok()?;
+            let kb = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?;
+            Some(kb.split_whitespace().next()?.parse::<u64>().ok()? * 1024)
+        };
+        let before = peak();
         let err = render(template, &[], true, "", "").unwrap_err().to_string();
         assert!(
             err.contains("chat template") && err.contains("fuel"),
             "{err}"
         );
+        if let (Some(before), Some(after)) = (before, peak()) {
+            // 256 MiB of values at most, the doubling that would pass it
+            // refused before it is allocated.
+            assert!(
+                after.saturating_sub(before) <= 512 << 20,
+                "the peak grew by {} MiB",
+                (after - before) >> 20
+            );
+        }
         // 20 doublings (1 MiB) are fine.
         let out = render(&template.replace("60", "20"), &[], true, "", "").unwrap();
         assert_eq!(out, (1 << 20).to_string());
