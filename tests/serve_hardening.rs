@@ -555,6 +555,23 @@ fn empty_api_keys_are_refused() {
 }
 
 #[test]
+fn an_api_key_from_the_environment_guards_the_api() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start_with_env(&[], &[("TE_API_KEY", "env-key-7")]);
+    let models = |headers: &str| {
+        server
+            .request_from("127.0.0.1", "GET", "/v1/models", headers, None)
+            .0
+    };
+    assert_eq!(models(""), 401);
+    assert_eq!(models("Authorization: Bearer other\r\n"), 401);
+    assert_eq!(models("Authorization: BEARER env-key-7\r\n"), 200);
+    // The key is not in the process's command line.
+    let cmdline = std::fs::read(format!("/proc/{}/cmdline", server.child.id())).unwrap();
+    assert!(!String::from_utf8_lossy(&cmdline).contains("env-key-7"));
+}
+
+#[test]
 fn a_keyless_server_refuses_what_browsers_could_forge() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let server = Server::start(&[
