@@ -375,28 +375,11 @@ fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
 
 #[test]
 fn serve_refuses_chat_to_a_base_model_and_completes_text() {
-    use std::io::BufRead;
-    let mut child = Command::new(env!("CARGO_BIN_EXE_te"))
-        .args(["serve", "--model", "gemma3-270m", "--port", "0", "-t", "2"])
-        .stderr(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("starting te serve");
-    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
-    let mut log = String::new();
-    let mut addr = None;
-    for line in stderr.lines().map_while(Result::ok) {
-        log.push_str(&line);
-        log.push('\n');
-        if let Some(rest) = line.split("listening on http://").nth(1) {
-            addr = rest.split_whitespace().next().map(str::to_string);
-            break;
-        }
-    }
-    let Some(addr) = addr else {
-        let _ = child.kill();
-        panic!("te serve did not start:\n{log}");
-    };
+    let common::Serve {
+        mut child,
+        addr,
+        log,
+    } = common::spawn_serve("gemma3-270m", &["-t", "2"], &[]);
     let chat = http(
         &addr,
         "POST",

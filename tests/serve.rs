@@ -11,6 +11,8 @@
 //! Without them the tests print "skipped: ..." and pass, except under CI
 //! (`CI` set), where they fail.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -41,34 +43,7 @@ impl Server {
     }
 
     fn start_model(model: &str, extra: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_te"))
-            .args(["serve", "--model", model, "--port", "0"])
-            .args(extra)
-            .stderr(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("starting te serve");
-        let mut stderr = BufReader::new(child.stderr.take().unwrap());
-        let mut addr = None;
-        let mut line = String::new();
-        while stderr.read_line(&mut line).unwrap_or(0) > 0 {
-            eprint!("[te serve] {line}");
-            if let Some(rest) = line.split("listening on http://").nth(1) {
-                addr = rest.split_whitespace().next().map(str::to_string);
-                break;
-            }
-            line.clear();
-        }
-        let addr = addr.unwrap_or_else(|| {
-            let _ = child.kill();
-            panic!("te serve did not start listening")
-        });
-        // Keep showing the server's log.
-        std::thread::spawn(move || {
-            for line in stderr.lines().map_while(Result::ok) {
-                eprintln!("[te serve] {line}");
-            }
-        });
+        let common::Serve { child, addr, .. } = common::spawn_serve(model, extra, &[]);
         let server = Server { child, addr };
         let (status, body) = server.request("GET", "/health", None);
         assert_eq!((status, body.as_str()), (200, r#"{"status":"ok"}"#));

@@ -222,3 +222,52 @@ pub fn check_tokenize(model: &str) {
         );
     }
 }
+
+/// A `te serve` child process that has started listening.
+pub struct Serve {
+    pub child: std::process::Child,
+    /// `host:port` it listens on.
+    pub addr: String,
+    /// Its standard error up to the "listening on" line.
+    pub log: String,
+}
+
+/// Starts `te serve --model <model> --port 0 <extra...>` with `env` set,
+/// and waits for its "listening on http://ADDR" line. Its standard error
+/// is shown with a `[te serve]` prefix and drained to the end (a full pipe
+/// would block the server). The caller kills the child.
+pub fn spawn_serve(model: &str, extra: &[&str], env: &[(&str, &str)]) -> Serve {
+    use std::io::{BufRead, BufReader};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_te"))
+        .args(["serve", "--model", model, "--port", "0"])
+        .args(extra)
+        .envs(env.iter().copied())
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("starting te serve");
+    let mut stderr = BufReader::new(child.stderr.take().expect("piped"));
+    let mut log = String::new();
+    let mut addr = None;
+    let mut line = String::new();
+    while stderr.read_line(&mut line).unwrap_or(0) > 0 {
+        eprint!("[te serve] {line}");
+        log.push_str(&line);
+        if let Some(rest) = line.split("listening on http://").nth(1) {
+            addr = rest.split_whitespace().next().map(str::to_string);
+            break;
+        }
+        line.clear();
+    }
+    let Some(addr) = addr else {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("te serve did not start listening:\n{log}");
+    };
+    std::thread::spawn(move || {
+        for line in stderr.lines().map_while(Result::ok) {
+            eprintln!("[te serve] {line}");
+        }
+    });
+    Serve { child, addr, log }
+}

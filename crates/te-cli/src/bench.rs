@@ -120,7 +120,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let ntg = parse_list("--ntg", &args.ntg, None, false)?;
         let npl = parse_list("--npl", &args.npl, None, false)?;
         let threads = args.threads.init()?;
-        let placed = crate::load_on(&args.model, &args.device)?;
+        // The RoPE positions a GPU run needs: the longest sequence, or the
+        // warm-up's.
+        let longest = npp.iter().max().unwrap_or(&0) + ntg.iter().max().unwrap_or(&0) + 1;
+        let context = longest.max(WARMUP_TOKENS + 1);
+        let placed = crate::load_on(&args.model, &args.device, Some(context))?;
         batched(&placed, &npp, &ntg, &npl, threads, format, speculative)
     } else {
         if !args.npp.is_empty() || !args.ntg.is_empty() || !args.npl.is_empty() {
@@ -138,7 +142,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let threads = args.threads.init()?;
         let source = te_models::source::resolve_model(&args.model)?;
         let info = te_models::inspect::inspect(&source)?;
-        let placed = crate::load_on(&args.model, &args.device)?;
+        // The RoPE positions a GPU run needs (see `test_engine`).
+        let context = n_prompt.iter().max().unwrap_or(&0).max(&1)
+            + n_gen.iter().max().unwrap_or(&0).max(&1)
+            + 1;
+        let placed = crate::load_on(&args.model, &args.device, Some(context))?;
         let desc = ModelDesc::new(&source, &info);
         let tests: Vec<(usize, usize)> = n_prompt
             .iter()

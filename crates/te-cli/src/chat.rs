@@ -85,7 +85,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         bail!("--kv-cache-tokens must be at least 1");
     }
     let sampling = args.sampling.params(&chat_defaults())?;
-    let placed = crate::load_on(&args.model, &args.device)?;
+    let placed = crate::load_on(&args.model, &args.device, args.kv_cache_tokens)?;
     let loaded = &placed.loaded;
     let tokenizer = &loaded.tokenizer;
     let raw = args.raw || tokenizer.chat_template().is_none();

@@ -191,7 +191,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         device.device = te_models::cuda::Device::Cpu;
     }
-    let placed = crate::load_on(&args.model, &device)?;
+    let placed = crate::load_on(&args.model, &device, args.kv_cache_tokens)?;
     let loaded = &placed.loaded;
     let tokenizer = &loaded.tokenizer;
     let mut prompt_tokens = Vec::with_capacity(prompts.len());

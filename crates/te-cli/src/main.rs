@@ -182,8 +182,10 @@ fn parse_device(s: &str) -> Result<te_models::cuda::Device, String> {
 /// which GEMM the GPU uses and whether decode steps use CUDA graphs).
 /// The GPU is opened before the weights are read, so a missing library or
 /// device fails at once.
+/// On a GPU the RoPE tables cover `context` positions (the run's KV
+/// capacity; `None`: the engine's default for the model).
 /// Errors: the GPU (named), `--cuda-graphs` without a GPU.
-fn load_on(spec: &str, device: &DeviceArg) -> anyhow::Result<Placed> {
+fn load_on(spec: &str, device: &DeviceArg, context: Option<usize>) -> anyhow::Result<Placed> {
     if device.cuda_graphs && device.device == te_models::cuda::Device::Cpu {
         anyhow::bail!("--cuda-graphs needs a GPU: use --device cuda[:N] (not --device cpu)");
     }
@@ -195,7 +197,9 @@ fn load_on(spec: &str, device: &DeviceArg) -> anyhow::Result<Placed> {
     let gpu = match gpu {
         None => None,
         Some(cuda) => {
-            let mut cm = te_models::cuda::CudaModel::upload(&loaded.model, cuda)?;
+            let positions = context
+                .unwrap_or_else(|| te_engine::Engine::default_kv_cache_tokens(&loaded.model));
+            let mut cm = te_models::cuda::CudaModel::upload(&loaded.model, cuda, positions)?;
             cm.set_graphs(device.cuda_graphs);
             note(format_args!(
                 "running on cuda:{} (GEMM: {:?}{})",

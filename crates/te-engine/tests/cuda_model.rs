@@ -15,7 +15,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use te_cache::CacheLayout;
-use te_engine::{EngineConfig, Request};
+use te_engine::{Engine, EngineConfig, Request};
 use te_formats::WeightData;
 use te_models::config::Activation;
 use te_models::cuda::ops::{GEMM_CU, MODEL_OPS_CU};
@@ -264,7 +264,7 @@ fn tiny(preset: &str) -> Model {
 /// `model`'s weights on GPU 0.
 fn upload(model: &Model) -> Arc<CudaModel> {
     let cuda = Device::Cuda(0).open().unwrap().expect("GPU 0");
-    Arc::new(CudaModel::upload(model, cuda).unwrap())
+    Arc::new(CudaModel::upload(model, cuda, Engine::default_kv_cache_tokens(model)).unwrap())
 }
 
 #[test]
@@ -342,7 +342,7 @@ fn tiny_models_cuda_match_cpu() {
 fn graph_run(preset: &str, batch: usize, graphs: bool, sampled: bool) -> Vec<Vec<u32>> {
     let model = tiny(preset);
     let cuda = Device::Cuda(0).open().unwrap().expect("GPU 0");
-    let mut gpu = CudaModel::upload(&model, cuda).unwrap();
+    let mut gpu = CudaModel::upload(&model, cuda, Engine::default_kv_cache_tokens(&model)).unwrap();
     gpu.set_gemm_backend(GemmBackend::Kernel).unwrap();
     gpu.set_graphs(graphs);
     let requests: Vec<Request> = (0..batch)

@@ -40,6 +40,15 @@ const MAX_DIMS: u32 = 4;
 /// entry (262144 entries for Gemma 3: about 1 Mi elements).
 const MAX_ARRAY_ELEMENTS: u64 = 16 << 20;
 
+/// Bytes of memory the metadata arrays' elements may take per byte of the
+/// file: an element takes a [`GgufValue`] (32 bytes) in memory, so arrays
+/// of 1-byte elements would take 32 times their size; 4-byte numbers (a
+/// vocabulary's scores and token types) take 8 times theirs, strings
+/// (8-byte length, then their bytes) at most 4 times plus their bytes,
+/// which are copied once. Real files (weights included, or vocabulary-only
+/// ones) stay well under this.
+const ARRAY_MEMORY_PER_FILE_BYTE: u64 = 8;
+
 /// Array nesting deeper than this is rejected (real files nest at most 1).
 const MAX_ARRAY_DEPTH: u32 = 8;
 
@@ -714,10 +723,18 @@ impl<'a> Reader<'a> {
                 };
                 self.check_count(len, min_size, &format!("{what}: array length"))?;
                 self.array_elements = self.array_elements.saturating_add(len);
-                if self.array_elements > MAX_ARRAY_ELEMENTS {
+                // Checked before the elements are allocated.
+                let per_element = size_of::<GgufValue>() as u64;
+                let justified = (self.buf.len() as u64).saturating_mul(ARRAY_MEMORY_PER_FILE_BYTE)
+                    / per_element;
+                if self.array_elements > MAX_ARRAY_ELEMENTS.min(justified) {
                     return Err(self.err(format!(
-                        "{what}: array length {len} takes the file's metadata arrays past \
-                         {MAX_ARRAY_ELEMENTS} elements in all (each takes 32 bytes of memory)"
+                        "{what}: array length {len} takes the file's metadata arrays to {} \
+                         elements, more than {MAX_ARRAY_ELEMENTS} in all or than the file's \
+                         {} bytes justify ({per_element} bytes of memory each, at most \
+                         {ARRAY_MEMORY_PER_FILE_BYTE} bytes per byte of file)",
+                        self.array_elements,
+                        self.buf.len()
                     )));
                 }
                 let mut items = Vec::with_capacity(len as usize);

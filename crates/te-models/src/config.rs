@@ -155,6 +155,12 @@ pub fn plausible_size(field: &str, v: usize) -> crate::Result<usize> {
     Ok(v)
 }
 
+/// Largest `head_dim` accepted (released models use at most 256): the
+/// RoPE tables and every layer's KV cache take `head_dim` values per
+/// position, so a crafted config's `head_dim` could otherwise ask for GiBs
+/// before any weight is compared with it.
+pub const MAX_HEAD_DIM: usize = 1024;
+
 /// Most layers a model may have (far above any released model): the
 /// per-layer config and the tensor list are sized by it before the file's
 /// tensors are compared with it.
@@ -217,6 +223,16 @@ impl ModelConfig {
                 format!(
                     "{} does not divide num_attention_heads {}",
                     self.num_key_value_heads, self.num_attention_heads
+                ),
+            );
+        }
+        if self.head_dim > MAX_HEAD_DIM {
+            return bad(
+                "head_dim",
+                format!(
+                    "{} is over {MAX_HEAD_DIM} (the RoPE tables and KV cache take 4 bytes \
+                     per head_dim per position)",
+                    self.head_dim
                 ),
             );
         }

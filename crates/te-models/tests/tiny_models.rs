@@ -9,6 +9,7 @@
 mod tiny;
 
 use te_cache::CacheLayout;
+use te_models::config::MAX_HEAD_DIM;
 use te_models::model::Logits;
 use tiny::{
     assert_feature_bites, assert_rows_match, check_all_modes, chunked, prompts, run_schedule,
@@ -148,6 +149,46 @@ fn gemma3_rope_tables_grow_past_their_first_size() {
         assert_rows_match(&rows, &reference, true, what);
         assert_eq!(model.rope_positions(), 2048, "{what}: grown to twice");
     }
+}
+
+/// RoPE tables are sized by the positions a run reaches, never by the
+/// config's maximum (2^24 positions), a position past
+/// `max_position_embeddings` is an error naming it, not a panic, and a
+/// `head_dim` over [`MAX_HEAD_DIM`] (RoPE tables and KV cache of GiBs) is
+/// refused naming the field.
+#[test]
+fn rope_tables_are_sized_by_the_run_not_the_config() {
+    let ck = Checkpoint::write(Spec {
+        max_position_embeddings: 1 << 24,
+        seed: 17,
+        ..Spec::gemma3()
+    });
+    let model = ck.load().expect("load");
+    assert_eq!(model.rope_positions(), 1024, "the tables' first size");
+
+    let ck = Checkpoint::write(Spec {
+        max_position_embeddings: 16,
+        seed: 18,
+        ..Spec::gemma3()
+    });
+    let model = ck.load().expect("load");
+    assert_eq!(model.rope_positions(), 16);
+    let prompt = vec![prompts(&ck, 20).swap_remove(0)];
+    let err = run_schedule(
+        &model,
+        CacheLayout::Contiguous,
+        &prompt,
+        &chunked(20, &[20]),
+        Logits::All,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("position"), "{err}");
+
+    let mut config = model.config.clone();
+    config.head_dim = MAX_HEAD_DIM + 2;
+    let err = config.validate().unwrap_err().to_string();
+    assert!(err.contains("head_dim") && err.contains("1026"), "{err}");
 }
 
 #[test]

@@ -9,6 +9,9 @@
 //! - `gather-mismatch`: the last rank gathers 4 MiB under another op;
 //!   every rank must fail, and exit without hanging on the large sends.
 //!   Rank 0 prints "ok".
+//! - `oversized`: rank 0 sends a block larger than the others' receives
+//!   expect; every rank must fail naming rank 0 and the size, without
+//!   receiving it. Rank 0 prints "ok".
 //! - `wait`: every rank prints "rank R pid P waiting" and blocks in a
 //!   receive nobody sends (for the kill test).
 //!
@@ -20,7 +23,8 @@ use half::bf16;
 use te_attention::{AttnMaskType, AttnMetadata, AttnOutput, DotProductAttention, KvInput};
 use te_kernels::{Element, QkvFormat};
 use te_ring::{
-    agree, all_gather, all_merge, all_reduce_min, Communicator, MpiComm, RingAttention, Zigzag,
+    agree, all_gather, all_merge, all_reduce_min, Block, Communicator, MpiComm, RingAttention,
+    Zigzag, MAX_MARKER_BYTES,
 };
 
 type Check = Result<(), String>;
@@ -39,6 +43,7 @@ fn main() -> ExitCode {
         "check" => check(&mut comm),
         "mismatch" => mismatch(&mut comm),
         "gather-mismatch" => gather_mismatch(&mut comm),
+        "oversized" => oversized(&mut comm),
         "wait" => wait(&mut comm),
         other => Err(format!("unknown mode {other:?}")),
     };
@@ -218,9 +223,30 @@ fn gather_mismatch(comm: &mut MpiComm) -> Check {
     }
 }
 
+fn oversized(comm: &mut MpiComm) -> Check {
+    // Over the abort marker's size, under MPI's eager limits (the unreceived
+    // send completes on its own).
+    let size = MAX_MARKER_BYTES + 100;
+    if comm.cp_rank() == 0 {
+        comm.send_next(Block::from_slice(1, &vec![0u8; size]))
+            .map_err(s)?;
+    }
+    match comm.recv_prev(64) {
+        Ok(_) => Err("received an oversized block".into()),
+        Err(e) => {
+            let want = format!(
+                "rank 0 failed: it sent a block of {size} bytes where this step expects at most 64"
+            );
+            expect(e.to_string().ends_with(&want), || {
+                format!("the receive failed with {e}")
+            })
+        }
+    }
+}
+
 fn wait(comm: &mut MpiComm) -> Check {
     println!("rank {} pid {} waiting", comm.cp_rank(), std::process::id());
-    match comm.recv_prev() {
+    match comm.recv_prev(usize::MAX) {
         Ok(_) => Err("received a block nobody sent".into()),
         Err(e) => Err(e.to_string()),
     }

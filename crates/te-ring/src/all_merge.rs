@@ -88,7 +88,7 @@ fn merge_inner(
     partials[cp_rank] = Some(mine);
     for step in 1..cp_size {
         comm.send_next(block)?;
-        block = comm.recv_prev()?;
+        block = comm.recv_prev((out.len() + lse.len()) * size_of::<f32>())?;
         let src = (cp_rank + cp_size - step) % cp_size;
         if block.tag != tag || block.data.len() != (out.len() + lse.len()) * size_of::<f32>() {
             return Err(RingError::Communication {

@@ -109,6 +109,11 @@ fn difference(words: &[u64], first: &[u64]) -> String {
     }
 }
 
+/// The largest block an all-gather of blocks of unknown length (and
+/// [`agree`]) accepts from a peer: they carry descriptions and small
+/// shards; ring attention's KV blocks are bounded by its plan instead.
+const MAX_GATHER_BYTES: usize = 64 << 20;
+
 /// The ring all-gather under `tag`; `len`, when given, is the element
 /// count every block must have. `differs` names what a tag mismatch means
 /// for the caller.
@@ -131,7 +136,7 @@ fn gather<T: bytemuck::Pod>(
     let mut block = Block::from_slice(tag, local);
     for step in 0..cp_size - 1 {
         comm.send_next(block)?;
-        block = comm.recv_prev()?;
+        block = comm.recv_prev(len.map_or(MAX_GATHER_BYTES, |n| n * size_of::<T>()))?;
         let src = (cp_rank + cp_size - step - 1) % cp_size;
         let error = |reason: String| RingError::Communication { cp_rank, reason };
         if block.tag != tag {

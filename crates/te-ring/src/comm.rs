@@ -84,14 +84,19 @@ pub trait Communicator: Send {
     /// knows of a failure (it names the rank where it started) or was
     /// aborted, or the next rank is gone.
     fn send_next(&mut self, block: Block) -> Result<(), RingError>;
-    /// Waits for the next block from the previous rank.
+    /// Waits for the next block from the previous rank, whose payload the
+    /// caller's plan expects to take at most `max_bytes` (an abort marker,
+    /// at most [`MAX_MARKER_BYTES`], is always accepted). A larger one is
+    /// refused before its payload is allocated where the transport tells
+    /// the size first (MPI probes it, NCCL sends it ahead).
     ///
     /// Errors: [`RingError::Communication`] naming the rank where a
     /// failure started, when the previous rank is gone or forwards an
-    /// abort (a rank that is alive but never sends is waited for), or this
-    /// communicator was aborted. A failure seen here aborts this
-    /// communicator too, forwarding its origin.
-    fn recv_prev(&mut self) -> Result<Block, RingError>;
+    /// abort (a rank that is alive but never sends is waited for), sends a
+    /// block over `max_bytes` (naming it), or this communicator was
+    /// aborted. A failure seen here aborts this communicator too,
+    /// forwarding its origin.
+    fn recv_prev(&mut self, max_bytes: usize) -> Result<Block, RingError>;
     /// Gives up after an error: tells the next rank that this rank failed
     /// because of `reason` (or forwards the origin and reason of a failure
     /// this rank learned from a peer), then hangs up. The peers' pending
@@ -191,6 +196,23 @@ impl Failure {
 /// The longest abort reason kept (bytes): a peer's reason is printed in
 /// this rank's errors, and a peer is not trusted to keep it short.
 pub(crate) const MAX_REASON: usize = 1024;
+
+/// The largest abort marker payload a rank accepts: the origin (8 bytes)
+/// and a reason of [`MAX_REASON`] bytes, each of whose characters may
+/// have become a 3-byte U+FFFD when cleaned by a rank that forwards it.
+pub const MAX_MARKER_BYTES: usize = 8 + 3 * MAX_REASON;
+
+/// The failure of a block of `got` payload bytes from `prev` when the
+/// caller expects at most `max_bytes` (and markers are at most
+/// [`MAX_MARKER_BYTES`]); `None` when it fits.
+pub(crate) fn oversized(prev: usize, got: usize, max_bytes: usize) -> Option<Failure> {
+    (got > max_bytes.max(MAX_MARKER_BYTES)).then(|| Failure {
+        origin: prev,
+        reason: format!(
+            "it sent a block of {got} bytes where this step expects at most {max_bytes}"
+        ),
+    })
+}
 
 /// An abort reason as it may be shown: at most [`MAX_REASON`] bytes (cut
 /// at a character boundary), invalid UTF-8 and control characters (which
@@ -308,13 +330,16 @@ impl Communicator for ThreadComm {
         Ok(())
     }
 
-    fn recv_prev(&mut self) -> Result<Block, RingError> {
+    fn recv_prev(&mut self, max_bytes: usize) -> Result<Block, RingError> {
         let prev = neighbours(self.cp_rank, self.cp_size).1;
         if self.to_next.is_none() {
             return Err(self.failure_error());
         }
         match self.from_prev.recv() {
-            Ok(block) => self.check(block),
+            Ok(block) => match oversized(prev, block.data.len(), max_bytes) {
+                Some(f) => Err(self.fail(f)),
+                None => self.check(block),
+            },
             Err(_) => Err(self.fail(Failure {
                 origin: prev,
                 reason: "it left the ring".into(),
@@ -385,7 +410,7 @@ mod tests {
                         let mut b = Block::from_slice(7, &[c.cp_rank() as u32]);
                         for _ in 1..c.cp_size() {
                             c.send_next(b).unwrap();
-                            b = c.recv_prev().unwrap();
+                            b = c.recv_prev(usize::MAX).unwrap();
                             seen.push(b.to_vec::<u32>(c.cp_rank()).unwrap()[0]);
                         }
                         seen
@@ -420,10 +445,10 @@ mod tests {
         let mut rank1 = ring.pop().unwrap();
         drop(ring);
         // Rank 0 is gone: rank 1 cannot receive, rank 2 cannot send.
-        let err = rank1.recv_prev().unwrap_err().to_string();
+        let err = rank1.recv_prev(usize::MAX).unwrap_err().to_string();
         assert!(err.contains("rank 1: rank 0 failed: it left"), "{err}");
         // Rank 1 forwarded the origin when it failed.
-        let err = rank2.recv_prev().unwrap_err().to_string();
+        let err = rank2.recv_prev(usize::MAX).unwrap_err().to_string();
         assert!(err.contains("rank 2: rank 0 failed: it left"), "{err}");
         let err = rank2.send_next(Block::from_slice(1, &[2u8])).unwrap_err();
         assert!(err.to_string().contains("rank 0 failed"), "{err}");
@@ -454,22 +479,46 @@ mod tests {
         let mut ring = ThreadComm::ring(4).unwrap();
         ring[2].abort_with("bad input");
         // Rank 3 hears it first, then forwards the original origin.
-        let err = ring[3].recv_prev().unwrap_err().to_string();
+        let err = ring[3].recv_prev(usize::MAX).unwrap_err().to_string();
         assert_eq!(err, "ring_attention: rank 3: rank 2 failed: bad input");
-        let err = ring[0].recv_prev().unwrap_err().to_string();
+        let err = ring[0].recv_prev(usize::MAX).unwrap_err().to_string();
         assert_eq!(err, "ring_attention: rank 0: rank 2 failed: bad input");
         // Rank 1 may still send (the failure is behind it, not yet
         // received), then its receive fails.
         ring[1].send_next(Block::from_slice(1, &[0u8])).unwrap();
-        let err = ring[1].recv_prev().unwrap_err().to_string();
+        let err = ring[1].recv_prev(usize::MAX).unwrap_err().to_string();
         assert_eq!(err, "ring_attention: rank 1: rank 2 failed: bad input");
         // A rank that knows of the failure refuses to send.
         assert!(ring[1].send_next(Block::from_slice(1, &[0u8])).is_err());
         // The origin refuses work too, and a second abort changes nothing.
         ring[2].abort_with("another reason");
-        let err = ring[2].recv_prev().unwrap_err().to_string();
+        let err = ring[2].recv_prev(usize::MAX).unwrap_err().to_string();
         assert_eq!(err, "ring_attention: rank 2: rank 2 failed: bad input");
         assert!(ring[2].send_next(Block::from_slice(1, &[0u8])).is_err());
+    }
+
+    #[test]
+    fn a_block_over_what_the_step_expects_is_an_error_naming_its_sender() {
+        let mut ring = ThreadComm::ring(3).unwrap();
+        ring[0]
+            .send_next(Block::from_slice(1, &vec![0u8; MAX_MARKER_BYTES + 1]))
+            .unwrap();
+        let err = ring[1].recv_prev(16).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            format!(
+                "ring_attention: rank 1: rank 0 failed: it sent a block of {} bytes where \
+                 this step expects at most 16",
+                MAX_MARKER_BYTES + 1
+            )
+        );
+        // The next rank hears of it; a marker passes whatever the bound.
+        let err = ring[2].recv_prev(0).unwrap_err().to_string();
+        assert!(err.contains("rank 0 failed: it sent a block"), "{err}");
+        // Within the bound, a block arrives.
+        let mut ring = ThreadComm::ring(2).unwrap();
+        ring[0].send_next(Block::from_slice(1, &[7u8; 16])).unwrap();
+        assert_eq!(ring[1].recv_prev(16).unwrap().data, [7; 16]);
     }
 
     #[test]
@@ -477,8 +526,8 @@ mod tests {
         let mut ring = ThreadComm::ring(2).unwrap();
         ring[0].send_next(Block::from_slice(5, &[9u8])).unwrap();
         ring[0].abort();
-        assert_eq!(ring[1].recv_prev().unwrap().data, [9]);
-        let err = ring[1].recv_prev().unwrap_err().to_string();
+        assert_eq!(ring[1].recv_prev(usize::MAX).unwrap().data, [9]);
+        let err = ring[1].recv_prev(usize::MAX).unwrap_err().to_string();
         assert!(err.contains("rank 0 failed: aborted"), "{err}");
     }
 

@@ -80,7 +80,7 @@ pub mod ring;
 
 pub use all_merge::all_merge;
 pub use collective::{agree, all_gather, all_reduce_min};
-pub use comm::{call_tag, Block, Communicator, ThreadComm, ABORT_TAG};
+pub use comm::{call_tag, Block, Communicator, ThreadComm, ABORT_TAG, MAX_MARKER_BYTES};
 pub use error::RingError;
 pub use layout::Zigzag;
 #[cfg(feature = "mpi")]

@@ -27,13 +27,14 @@
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
+use mpi::datatype::Equivalence;
 use mpi::environment::Universe;
 use mpi::point_to_point::{Destination, MatchedReceiveVec, Source};
 use mpi::request::{Request, StaticScope};
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 use mpi::Threading;
 
-use crate::comm::{neighbours, Block, Communicator, Failure, MAX_REASON};
+use crate::comm::{neighbours, oversized, Block, Communicator, Failure, MAX_REASON};
 use crate::error::RingError;
 
 /// The MPI tag of every ring message.
@@ -202,15 +203,24 @@ impl Communicator for MpiComm {
         Ok(())
     }
 
-    fn recv_prev(&mut self) -> Result<Block, RingError> {
+    fn recv_prev(&mut self, max_bytes: usize) -> Result<Block, RingError> {
         if self.aborted {
             return Err(self.failure_error());
         }
         let prev = neighbours(self.cp_rank, self.cp_size).1;
-        let probed = self
-            .world
-            .process_at_rank(prev as mpi::Rank)
-            .matched_probe_with_tag(RING_TAG);
+        let source = self.world.process_at_rank(prev as mpi::Rank);
+        // The size first, so that a peer's oversized message is refused
+        // (and left unreceived: the ring is over) before it is allocated.
+        // Only this rank receives from `prev`, so the probed message is
+        // the one received next.
+        let count = source
+            .probe_with_tag(RING_TAG)
+            .count(u8::equivalent_datatype());
+        let payload = usize::try_from(count).unwrap_or(0).saturating_sub(8);
+        if let Some(f) = oversized(prev, payload, max_bytes) {
+            return Err(self.fail(f));
+        }
+        let probed = source.matched_probe_with_tag(RING_TAG);
         let (mut bytes, _) = probed.matched_receive_vec::<u8>();
         let Some(&head) = bytes.first_chunk::<8>() else {
             return Err(self.fail(Failure {

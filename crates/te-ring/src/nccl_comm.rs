@@ -24,7 +24,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use cudarc::nccl::safe::{group_end, group_start, Comm};
 
-use crate::comm::{neighbours, Block, Communicator, Failure};
+use crate::comm::{neighbours, oversized, Block, Communicator, Failure};
 use crate::error::RingError;
 
 /// One GPU's link in a ring of NCCL ranks: `cp_rank` = the NCCL rank,
@@ -132,7 +132,7 @@ impl Communicator for NcclComm {
         Ok(())
     }
 
-    fn recv_prev(&mut self) -> Result<Block, RingError> {
+    fn recv_prev(&mut self, max_bytes: usize) -> Result<Block, RingError> {
         let Some(comm) = self.comm.take() else {
             return Err(self.failure_error());
         };
@@ -146,7 +146,14 @@ impl Communicator for NcclComm {
             .collect();
         let result = self.exchange(&comm, &header, 16).and_then(|h| {
             let word = |i: usize| u64::from_le_bytes(h[i * 8..][..8].try_into().unwrap_or([0; 8]));
-            let (tag, len) = (word(0), word(1) as usize);
+            let (tag, len) = (word(0), usize::try_from(word(1)).unwrap_or(usize::MAX));
+            let prev = neighbours(self.cp_rank, self.cp_size).1;
+            if let Some(f) = oversized(prev, len, max_bytes) {
+                return Err(RingError::Communication {
+                    cp_rank: self.cp_rank,
+                    reason: format!("rank {}: {}", f.origin, f.reason),
+                });
+            }
             let data = self.exchange(&comm, &out.data, len)?;
             Ok(Block { tag, data })
         });

@@ -266,7 +266,14 @@ impl RingAttention {
                 }
             }
             if step + 1 < cp_size {
-                block = comm.recv_prev()?;
+                // The next block is the K and V of the rank before `src`.
+                let next = (src + cp_size - 1) % cp_size;
+                let next_t = z
+                    .local_cu_seqlens(seqlens, next)?
+                    .last()
+                    .copied()
+                    .unwrap_or(0) as usize;
+                block = comm.recv_prev(next_t * hkv * (dqk + dv) * size_of::<T>())?;
             }
         }
 

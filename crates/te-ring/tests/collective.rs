@@ -240,7 +240,7 @@ proptest! {
                 }
                 let block = c
                     .send_next(Block::from_slice(step as u64, &[r as u32]))
-                    .and_then(|()| c.recv_prev());
+                    .and_then(|()| c.recv_prev(usize::MAX));
                 match block {
                     Ok(b) => assert_eq!(b.tag, step as u64, "rank {r}"),
                     Err(e) => {

@@ -72,7 +72,7 @@ fn every_mode_passes_on_2_and_3_ranks_over_each_transport() {
     let exe = example();
     for np in [2, 3] {
         for btl in [None, Some("self,tcp")] {
-            for mode in ["check", "mismatch", "gather-mismatch"] {
+            for mode in ["check", "mismatch", "gather-mismatch", "oversized"] {
                 let start = Instant::now();
                 let out = mpirun(np, btl)
                     .arg(&exe)

@@ -398,9 +398,16 @@ fn py_float_repr(x: f64) -> String {
     format!("{sign}{text}")
 }
 
-/// Template instructions allowed per rendering (minijinja fuel): far
-/// beyond any real chat template, small enough to stop a runaway one.
-const FUEL: u64 = 50_000_000;
+/// The work and memory a rendering may take (minijinja fuel): one fuel
+/// pays for one instruction or for 64 bytes of strings, lists and maps
+/// that operators (`~`, `+`, `*`, slicing), filters, functions and methods
+/// create, or of output, each allocation's size charged before it is made.
+/// So a rendering runs at most 4 Mi instructions and creates at most 256
+/// MiB of values in all, whatever the template does (a string doubled in a
+/// loop included). A real template over a long conversation takes a few
+/// instructions per message and a few bytes per byte of content: a 32 MiB
+/// conversation takes about 2 Mi fuel.
+const FUEL: u64 = 4 << 20;
 
 /// `format` (C `strftime` codes `%d %m %Y %y %b %B %a %A %H %M %S %j %%`)
 /// of the UTC time `secs` after the Unix epoch.
@@ -634,6 +641,38 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("chat template"), "{err}");
+    }
+
+    #[test]
+    fn a_template_that_doubles_a_string_stops_within_its_memory_bound() {
+        // 2^60 bytes if it ran on; the fuel stops it at 256 MiB of values
+        // in all (each concatenation's size is charged before it is made).
+        let template = "{% set ns = namespace(s='x') %}{% for i in range(60) %}\
+                        {% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}";
+        // The process's peak resident memory (Linux), in bytes.
+        let peak = || -> Option<u64> {
+            let status = std::fs::read_to_string("/proc/self/status").ok()?;
+            let kb = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?;
+            Some(kb.split_whitespace().next()?.parse::<u64>().ok()? * 1024)
+        };
+        let before = peak();
+        let err = render(template, &[], true, "", "").unwrap_err().to_string();
+        assert!(
+            err.contains("chat template") && err.contains("fuel"),
+            "{err}"
+        );
+        if let (Some(before), Some(after)) = (before, peak()) {
+            // 256 MiB of values at most, the doubling that would pass it
+            // refused before it is allocated.
+            assert!(
+                after.saturating_sub(before) <= 512 << 20,
+                "the peak grew by {} MiB",
+                (after - before) >> 20
+            );
+        }
+        // 20 doublings (1 MiB) are fine.
+        let out = render(&template.replace("60", "20"), &[], true, "", "").unwrap();
+        assert_eq!(out, (1 << 20).to_string());
     }
 
     #[test]

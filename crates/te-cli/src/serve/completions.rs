@@ -751,22 +751,26 @@ impl Run {
             })
             .collect();
         let mut calls = vec![0usize; n];
-        // The chunks of the calls `parsed` completed for choice `index`.
-        let call_chunks =
-            |s: &AppState, meta: &Meta, index: usize, first: usize, parsed: &[ParsedCall]| {
-                let mut out = String::new();
-                for (k, c) in parsed.iter().enumerate() {
-                    for piece in call_deltas(s, first + k, c) {
-                        let d = Delta {
-                            index,
-                            tool_calls: Some(piece),
-                            ..Delta::default()
-                        };
-                        out.push_str(&chunk(meta, &d));
-                    }
+        // Appends to `out` the chunks of the calls `parsed` completed for
+        // choice `index`, numbered on from `calls` (which counts them).
+        let call_chunks = |s: &AppState,
+                           meta: &Meta,
+                           out: &mut String,
+                           index: usize,
+                           calls: &mut usize,
+                           parsed: &[ParsedCall]| {
+            for c in parsed {
+                for piece in call_deltas(s, *calls, c) {
+                    let d = Delta {
+                        index,
+                        tool_calls: Some(piece),
+                        ..Delta::default()
+                    };
+                    out.push_str(&chunk(meta, &d));
                 }
-                out
-            };
+                *calls += 1;
+            }
+        };
         loop {
             // A body that hyper dropped (the client went away) ends the
             // request even while no token comes (a long prompt).
@@ -801,14 +805,14 @@ impl Run {
                         ..Delta::default()
                     };
                     let mut out = chunk(&self.meta, &d);
-                    out.push_str(&call_chunks(
+                    call_chunks(
                         &self.s,
                         &self.meta,
+                        &mut out,
                         index,
-                        calls[index],
+                        &mut calls[index],
                         &parsed,
-                    ));
-                    calls[index] += parsed.len();
+                    );
                     send(out).await
                 }
                 Step::Done {
@@ -838,14 +842,14 @@ impl Run {
                         };
                         out.push_str(&chunk(&self.meta, &d));
                     }
-                    out.push_str(&call_chunks(
+                    call_chunks(
                         &self.s,
                         &self.meta,
+                        &mut out,
                         index,
-                        calls[index],
+                        &mut calls[index],
                         &parsed,
-                    ));
-                    calls[index] += parsed.len();
+                    );
                     let reason = if calls[index] > 0 && reason == "stop" {
                         "tool_calls"
                     } else {

@@ -17,7 +17,11 @@
 //!   the end of the stream only with an empty read buffer).
 //!
 //! The request body's own deadline is [`super::guard`]'s. Every
-//! connection has `TCP_NODELAY` set, so each streamed token leaves at once.
+//! connection has `TCP_NODELAY` set, so each streamed token leaves at once,
+//! and a send buffer of [`SEND_BUFFER`] bytes: Linux would otherwise grow
+//! it to 4 MiB for a peer that does not read (tens of thousands of
+//! streamed tokens), so its writes would stall, and the write timeout
+//! start, only that much later.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -42,6 +46,11 @@ use super::metrics::Metrics;
 /// How often a connection with a request in flight checks whether its
 /// peer closed.
 const PEER_CHECK: Duration = Duration::from_millis(200);
+
+/// Each connection's kernel send buffer (bytes; `SO_SNDBUF`, which Linux
+/// doubles for its bookkeeping): a few hundred streamed tokens, and far
+/// more than a token stream needs in flight on any link.
+const SEND_BUFFER: usize = 64 << 10;
 
 /// The connection limits (`te serve` flags).
 #[derive(Clone, Debug)]
@@ -139,6 +148,7 @@ async fn accept(
         match tcp.accept().await {
             Ok((stream, addr)) => {
                 let _ = stream.set_nodelay(true);
+                let _ = socket2::SockRef::from(&stream).set_send_buffer_size(SEND_BUFFER);
                 return (stream, addr, slot);
             }
             Err(e) => {

@@ -51,10 +51,14 @@ fn to_bf16(w: &Linear) -> Vec<bf16> {
 }
 
 impl CudaModel {
-    /// Uploads `model`'s weights and RoPE tables to `cuda`'s GPU.
+    /// Uploads `model`'s weights and RoPE tables to `cuda`'s GPU, the
+    /// tables for the run's context: positions `0..positions` (capped at
+    /// `max_position_embeddings`), not the config's whole maximum. A step
+    /// that reaches past them is the RoPE kernel's error naming the
+    /// position.
     ///
     /// Errors: out of device memory, a driver error.
-    pub fn upload(model: &Model, cuda: Cuda) -> Result<Self> {
+    pub fn upload(model: &Model, cuda: Cuda, positions: usize) -> Result<Self> {
         let stream = cuda.stream().clone();
         let weights = model.weights.try_map(
             |l: &Linear| -> Result<CudaLinear> {
@@ -72,9 +76,10 @@ impl CudaModel {
             },
             |v: &Vec<f32>| stream.clone_htod(v).map_err(|e| cuda_err("upload", e)),
         )?;
-        // Every position up front: device memory is not what limits a GPU
-        // run, and graphs capture the tables' addresses.
-        let rope = RopeTables::new(&model.config, model.config.max_position_embeddings)?;
+        // Every position of the run up front: graphs capture the tables'
+        // addresses.
+        let positions = positions.clamp(1, model.config.max_position_embeddings);
+        let rope = RopeTables::new(&model.config, positions)?;
         let rope_global = CudaRopeTable::new(&cuda.dev, &rope.global)?;
         let rope_local = rope
             .local
