@@ -54,6 +54,7 @@ use te_models::cuda::KvStore;
 use te_models::model::{Model, StepOutput};
 use te_models::runner::Runner;
 
+use crate::request::DraftLimits;
 use crate::sampling::argmax;
 use crate::EngineError;
 
@@ -194,7 +195,14 @@ impl CostModel {
 /// One sequence's drafting state.
 #[derive(Clone, Debug)]
 pub(crate) struct Drafter {
-    config: SpeculativeConfig,
+    source: DraftSource,
+    /// A fixed length (`draft_max` given): draft `cap` tokens whenever the
+    /// source has them; else the adaptive length, at most `cap`.
+    fixed: bool,
+    /// Longest draft (the engine's and the request's bounds).
+    cap: usize,
+    /// Shortest draft verified.
+    min: usize,
     /// Estimated probability that a drafted token is accepted.
     alpha: f64,
     /// The lookup's first token when the last step did not draft (its
@@ -208,12 +216,25 @@ const PRIOR_ALPHA: f64 = 0.5;
 const ALPHA_RATE: f64 = 0.15;
 
 impl Drafter {
-    pub(crate) fn new(config: SpeculativeConfig) -> Self {
-        Drafter {
-            config,
+    /// The drafter of a request under the engine's `config`, narrowed by
+    /// the request's `limits` (`None`: the request drafts nothing).
+    pub(crate) fn new(config: SpeculativeConfig, limits: DraftLimits) -> Option<Self> {
+        let engine_max = config.draft_max.unwrap_or(match config.source {
+            DraftSource::Ngram(_) => ADAPTIVE_DRAFT_MAX,
+            DraftSource::Model => MODEL_DRAFT_DEFAULT,
+        });
+        let cap = limits.n_max.map_or(engine_max, |n| n.min(engine_max));
+        if cap == 0 {
+            return None;
+        }
+        Some(Drafter {
+            source: config.source,
+            fixed: config.draft_max.is_some(),
+            cap,
+            min: limits.n_min.unwrap_or(config.draft_min).clamp(1, cap),
             alpha: PRIOR_ALPHA,
             shadow: None,
-        }
+        })
     }
 
     /// The draft for a sequence of `tokens` (its last token not yet fed)
@@ -227,20 +248,16 @@ impl Drafter {
         row_cost: f64,
     ) -> Vec<u32> {
         self.shadow = None;
-        let DraftSource::Ngram(n) = self.config.source else {
+        let DraftSource::Ngram(n) = self.source else {
             return Vec::new();
         };
-        let cap = self
-            .config
-            .draft_max
-            .unwrap_or(ADAPTIVE_DRAFT_MAX)
-            .min(room);
-        let mut found = lookup(tokens, n, cap);
-        let k = match self.config.draft_max {
-            Some(_) => found.len(),
-            None => self.best_len(found.len(), batch, row_cost),
+        let mut found = lookup(tokens, n, self.cap.min(room));
+        let k = if self.fixed {
+            found.len()
+        } else {
+            self.best_len(found.len(), batch, row_cost)
         };
-        if k < self.config.draft_min || k == 0 {
+        if k < self.min {
             self.shadow = found.first().copied();
             return Vec::new();
         }
@@ -251,12 +268,8 @@ impl Drafter {
     /// The length of a draft model's draft with `room` tokens left (0:
     /// none).
     pub(crate) fn model_len(&self, room: usize) -> usize {
-        let k = self
-            .config
-            .draft_max
-            .unwrap_or(MODEL_DRAFT_DEFAULT)
-            .min(room);
-        if k < self.config.draft_min {
+        let k = self.cap.min(room);
+        if k < self.min {
             0
         } else {
             k
@@ -483,7 +496,7 @@ mod tests {
 
     #[test]
     fn adaptive_length_backs_off_when_drafts_fail() {
-        let mut d = Drafter::new(SpeculativeConfig::ngram(1));
+        let mut d = Drafter::new(SpeculativeConfig::ngram(1), DraftLimits::default()).unwrap();
         let t = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 1];
         assert!(!d.propose(&t, 100, 1, 0.1).is_empty());
         for _ in 0..30 {
@@ -508,13 +521,50 @@ mod tests {
         );
         assert_eq!(d.propose(&t, 100, 1, 0.1).len(), ADAPTIVE_DRAFT_MAX);
         // A fixed length ignores the estimate.
-        let mut d = Drafter::new(SpeculativeConfig {
+        let fixed = SpeculativeConfig {
             draft_max: Some(3),
             ..SpeculativeConfig::ngram(1)
-        });
+        };
+        let mut d = Drafter::new(fixed, DraftLimits::default()).unwrap();
         d.alpha = 0.0;
         assert_eq!(d.propose(&t, 100, 1, 0.1), vec![2, 3, 4]);
         assert_eq!(d.propose(&t, 2, 1, 0.1), vec![2, 3]);
+    }
+
+    #[test]
+    fn request_limits_narrow_the_engine_setting() {
+        let t = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 1];
+        let limits = |n_max, n_min| DraftLimits { n_max, n_min };
+        let adaptive = SpeculativeConfig::ngram(1);
+        let fixed = SpeculativeConfig {
+            draft_max: Some(3),
+            ..adaptive
+        };
+        // n_max 0: this request does not draft.
+        assert!(Drafter::new(adaptive, limits(Some(0), None)).is_none());
+        assert!(Drafter::new(fixed, limits(Some(0), Some(1))).is_none());
+        // Below the engine's fixed length: that many; above it: the
+        // engine's.
+        let propose = |config, l| Drafter::new(config, l).unwrap().propose(&t, 100, 1, 0.1);
+        assert_eq!(propose(fixed, limits(Some(2), None)), [2, 3]);
+        assert_eq!(propose(fixed, limits(Some(10), None)), [2, 3, 4]);
+        // n_min above what there is room for: no draft.
+        let mut d = Drafter::new(fixed, limits(None, Some(3))).unwrap();
+        assert!(d.propose(&t, 2, 1, 0.1).is_empty());
+        assert_eq!(d.propose(&t, 3, 1, 0.1), [2, 3, 4]);
+        // The adaptive length, sure of acceptance, drafts up to n_max.
+        let mut d = Drafter::new(adaptive, limits(Some(5), None)).unwrap();
+        d.alpha = 1.0;
+        assert_eq!(d.propose(&t, 100, 1, 0.1), [2, 3, 4, 5, 6]);
+        // A draft model's length likewise.
+        let model = SpeculativeConfig {
+            source: DraftSource::Model,
+            ..adaptive
+        };
+        let d = Drafter::new(model, limits(Some(2), None)).unwrap();
+        assert_eq!((d.model_len(100), d.model_len(1)), (2, 1));
+        let d = Drafter::new(model, DraftLimits::default()).unwrap();
+        assert_eq!(d.model_len(100), MODEL_DRAFT_DEFAULT);
     }
 
     #[test]
