@@ -850,7 +850,7 @@ impl<'a> Engine<'a> {
             return Ok(());
         }
         let batch = self.sched.running().len();
-        let row_cost = self.cost.row_cost(batch);
+        let extra = self.cost.extra_costs(batch);
         let chunk = self.prefill_chunk;
         if let Some(dm) = self.draft_model.as_mut() {
             let wants: Vec<DraftWant<'_>> = self
@@ -890,7 +890,7 @@ impl<'a> Engine<'a> {
                 .limit
                 .saturating_sub(seq.tokens.len() + 1)
                 .min(chunk - 1);
-            seq.draft = drafter.propose(&seq.tokens, room, batch, row_cost);
+            seq.draft = drafter.propose(&seq.tokens, room, batch, &extra);
         }
         Ok(())
     }
