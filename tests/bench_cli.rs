@@ -1,6 +1,7 @@
 //! `te bench` on SmolLM2-135M: llama-bench's JSON fields (`-o json`) and
 //! llama-batched-bench's (`--batched -o jsonl`), positive and consistent
-//! numbers, and one-line errors for bad arguments. Tiny sizes: this checks
+//! numbers, speculative decoding in both, and one-line errors for bad
+//! arguments. Tiny sizes: this checks
 //! the measurement, not the speed.
 
 mod common;
@@ -117,6 +118,46 @@ fn batched_mode_reports_llama_batched_bench_fields() {
         assert!(close(num(r, "speed_tg"), pl * 4.0 / t_tg));
         assert!(close(num(r, "speed"), pl * 12.0 / t));
         assert!(r["n_kv_max"].as_u64().unwrap() >= 2 * 12);
+    }
+}
+
+/// Speculative decoding (`--draft-ngram`, and `--model-draft` with SmolLM2
+/// drafting for itself) in both modes: the same tests and token counts
+/// as without.
+#[test]
+fn speculative_decoding_runs_in_both_modes() {
+    for draft in [["--draft-ngram", "1"], ["--model-draft", MODEL]] {
+        let mut args = vec![
+            "bench", "-m", MODEL, "-p", "0", "-n", "8", "-r", "1", "-o", "json",
+        ];
+        args.extend(draft);
+        let (ok, stdout, stderr) = te(&args);
+        assert!(ok, "te {args:?} failed:\n{stderr}");
+        let v: Value = serde_json::from_str(&stdout).expect("one JSON array");
+        let tests = v.as_array().expect("an array");
+        assert_eq!(tests.len(), 1, "{stdout}");
+        assert_eq!(tests[0]["n_gen"].as_u64(), Some(8), "{stdout}");
+        assert!(num(&tests[0], "avg_ts") > 0.0);
+        let mut args = vec![
+            "bench",
+            "-m",
+            MODEL,
+            "--batched",
+            "--npp",
+            "8",
+            "--ntg",
+            "8",
+            "--npl",
+            "2",
+            "-o",
+            "jsonl",
+        ];
+        args.extend(draft);
+        let (ok, stdout, stderr) = te(&args);
+        assert!(ok, "te {args:?} failed:\n{stderr}");
+        let r: Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
+        assert_eq!(r["n_kv"].as_u64(), Some(2 * 16), "{stdout}");
+        assert!(close(num(&r, "speed_tg"), 2.0 * 8.0 / num(&r, "t_tg")));
     }
 }
 

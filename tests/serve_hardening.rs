@@ -7,106 +7,17 @@
 mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command};
+use std::net::TcpStream;
+use std::process::Command;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+use common::server::{connect_from, Server};
 
 /// One server at a time: two cores are not enough for two.
 static SERIAL: Mutex<()> = Mutex::new(());
 
 const MODEL: &str = "smollm2-135m";
-
-/// A `te serve` child process on a free loopback port.
-struct Server {
-    child: Child,
-    addr: SocketAddr,
-}
-
-impl Server {
-    fn start(extra: &[&str]) -> Server {
-        Self::start_with_env(extra, &[])
-    }
-
-    fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Server {
-        let common::Serve { child, addr, .. } = common::spawn_serve(MODEL, extra, env);
-        Server {
-            child,
-            addr: addr.parse().expect("a socket address"),
-        }
-    }
-
-    /// One request with `Connection: close` from `from` (a loopback
-    /// address of the test's choosing); (status, body).
-    fn request_from(
-        &self,
-        from: &str,
-        method: &str,
-        path: &str,
-        headers: &str,
-        body: Option<&str>,
-    ) -> (u16, String) {
-        let mut s = connect_from(from, self.addr);
-        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-        let body = body.unwrap_or("");
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: {}\r\n{headers}Content-Length: {}\r\n\
-             Connection: close\r\n\r\n{body}",
-            self.addr,
-            body.len()
-        )
-        .unwrap();
-        let mut out = Vec::new();
-        let _ = s.read_to_end(&mut out);
-        let out = String::from_utf8_lossy(&out);
-        let (head, body) = out.split_once("\r\n\r\n").expect("an HTTP response");
-        let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-        (status, body.to_string())
-    }
-
-    /// A JSON request from 127.0.0.1.
-    fn post(&self, path: &str, body: &str) -> (u16, String) {
-        self.request_from(
-            "127.0.0.1",
-            "POST",
-            path,
-            "Content-Type: application/json\r\n",
-            Some(body),
-        )
-    }
-
-    /// The value of the metric line `name` (with its labels).
-    fn metric(&self, name: &str) -> f64 {
-        let (status, text) = self.request_from("127.0.0.1", "GET", "/metrics", "", None);
-        assert_eq!(status, 200);
-        text.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-            .unwrap_or_else(|| panic!("{name} missing in\n{text}"))
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A connection to `to` from loopback address `from` (127.0.0.0/8 is all
-/// loopback: a second client address without a second machine).
-fn connect_from(from: &str, to: SocketAddr) -> TcpStream {
-    let socket =
-        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("a socket");
-    let local: SocketAddr = format!("{from}:0").parse().unwrap();
-    socket
-        .bind(&local.into())
-        .expect("binding a loopback address");
-    socket
-        .connect_timeout(&to.into(), Duration::from_secs(5))
-        .expect("connecting to te serve");
-    socket.into()
-}
 
 /// Whether the server closed `s` (end of stream or reset) before `deadline`.
 fn closed_by(mut s: &TcpStream, deadline: Instant) -> bool {
@@ -143,12 +54,15 @@ fn completion(prompt: &str, max_tokens: usize) -> String {
 #[test]
 fn idle_half_open_and_slow_clients_do_not_lock_out_a_new_client() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let server = Server::start(&[
-        "--header-read-timeout-secs",
-        "1",
-        "--body-read-timeout-secs",
-        "1",
-    ]);
+    let server = Server::start(
+        MODEL,
+        &[
+            "--header-read-timeout-secs",
+            "1",
+            "--body-read-timeout-secs",
+            "1",
+        ],
+    );
     let to = server.addr;
     let attack_start = Instant::now();
     // 600 plain idle connections and 512 that never finish their headers,
@@ -215,7 +129,7 @@ fn idle_half_open_and_slow_clients_do_not_lock_out_a_new_client() {
 #[test]
 fn a_disconnect_is_noticed_even_after_extra_bytes() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let server = Server::start(&[]);
+    let server = Server::start(MODEL, &[]);
     let body = serde_json::json!({
         "model": MODEL, "prompt": "Count:", "max_tokens": 4000, "ignore_eos": true,
     })
@@ -248,7 +162,7 @@ fn a_disconnect_is_noticed_even_after_extra_bytes() {
 #[test]
 fn a_client_that_stops_reading_is_closed_after_the_write_timeout() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let server = Server::start(&["--write-timeout-secs", "1"]);
+    let server = Server::start(MODEL, &["--write-timeout-secs", "1"]);
     // A long stream of big chunks (16 choices, 20 top logprobs each) to a
     // client with a small receive buffer that never reads: the socket
     // buffers fill within a few steps, then the server's writes stall.
@@ -340,7 +254,7 @@ fn a_user_message_cannot_forge_turns() {
         .map(|x| x.as_u64().unwrap())
         .collect();
     assert_eq!(controls.len(), 2, "{v}");
-    let server = Server::start(&[]);
+    let server = Server::start(MODEL, &[]);
     let count = |ids: &[u64]| ids.iter().filter(|i| controls.contains(i)).count();
     let plain = chat_prompt_ids(&server, "Hello");
     let forged = chat_prompt_ids(
@@ -393,7 +307,7 @@ fn responses(server: &Server, endpoint: &str, statuses: &[u16]) -> f64 {
 #[test]
 fn huge_prompts_closed_early_leave_no_work_behind() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let server = Server::start(&["--max-body-bytes", "8000000"]);
+    let server = Server::start(MODEL, &["--max-body-bytes", "8000000"]);
     let pid = server.child.id();
     // Warm up (first allocations), then measure idle.
     let (status, _) = server.post("/v1/completions", &completion("Hi", 2));
@@ -447,7 +361,7 @@ fn huge_prompts_closed_early_leave_no_work_behind() {
 #[test]
 fn max_tokens_over_the_server_limit_is_a_400_naming_the_field() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let server = Server::start(&["--max-tokens-limit", "8"]);
+    let server = Server::start(MODEL, &["--max-tokens-limit", "8"]);
     let (status, body) = server.post("/v1/completions", &completion("Hi", 9));
     assert_eq!(status, 400, "{body}");
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
@@ -505,7 +419,7 @@ fn the_prefix_cache_is_no_oracle_across_keys_or_salts() {
     std::fs::write(&keys, "# two clients\nkey-alice\n\nkey-bob\n").unwrap();
     // Per-key scope (the default with keys); keys from a file and a
     // lowercase scheme.
-    let server = Server::start(&["--api-key-file", keys.to_str().unwrap()]);
+    let server = Server::start(MODEL, &["--api-key-file", keys.to_str().unwrap()]);
     assert_eq!(cached_tokens(&server, Some("key-alice"), secret, None), 0);
     assert!(
         cached_tokens(&server, Some("key-alice"), secret, None) >= 16,
@@ -528,7 +442,7 @@ fn the_prefix_cache_is_no_oracle_across_keys_or_salts() {
     std::fs::remove_file(&keys).unwrap();
 
     // A shared cache: different salts never share, the same salt does.
-    let server = Server::start(&["--prefix-cache-scope", "shared"]);
+    let server = Server::start(MODEL, &["--prefix-cache-scope", "shared"]);
     assert_eq!(cached_tokens(&server, None, secret, Some("alice")), 0);
     assert_eq!(cached_tokens(&server, None, secret, Some("bob")), 0);
     assert_eq!(cached_tokens(&server, None, secret, None), 0);
@@ -557,7 +471,7 @@ fn empty_api_keys_are_refused() {
 #[test]
 fn an_api_key_from_the_environment_guards_the_api() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let server = Server::start_with_env(&[], &[("TE_API_KEY", "env-key-7")]);
+    let server = Server::start_with_env(MODEL, &[], &[("TE_API_KEY", "env-key-7")]);
     let models = |headers: &str| {
         server
             .request_from("127.0.0.1", "GET", "/v1/models", headers, None)
@@ -574,12 +488,15 @@ fn an_api_key_from_the_environment_guards_the_api() {
 #[test]
 fn a_keyless_server_refuses_what_browsers_could_forge() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let server = Server::start(&[
-        "--allowed-host",
-        "llm.lan",
-        "--cors-origin",
-        "https://app.example",
-    ]);
+    let server = Server::start(
+        MODEL,
+        &[
+            "--allowed-host",
+            "llm.lan",
+            "--cors-origin",
+            "https://app.example",
+        ],
+    );
     let body = completion("Hi", 1);
     let json = "Content-Type: application/json\r\n";
     let at = |host: &str, headers: &str| {
@@ -645,7 +562,7 @@ fn start_up_and_shutdown() {
 
     // During the shutdown grace: /health 503, new generations 503, the
     // running one finishes; every request logged in one line.
-    let mut server = Server::start(&["--shutdown-grace-secs", "60"]);
+    let mut server = Server::start(MODEL, &["--shutdown-grace-secs", "60"]);
     let mut s = connect_from("127.0.0.1", server.addr);
     let body = serde_json::json!({
         "model": MODEL, "prompt": "Count:", "max_tokens": 64, "ignore_eos": true,
@@ -852,7 +769,10 @@ mod fuzz {
     #[test]
     fn random_openai_shaped_bodies_get_well_formed_answers() {
         let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-        let server = Server::start(&["--max-tokens-limit", "4", "--max-body-bytes", "65536"]);
+        let server = Server::start(
+            MODEL,
+            &["--max-tokens-limit", "4", "--max-body-bytes", "65536"],
+        );
         let config = ProptestConfig {
             cases: 64,
             failure_persistence: None,

@@ -1,7 +1,10 @@
 //! Helpers shared by the end-to-end tests: the reference files in
-//! `tests/refs` (see its README) and the `te` binary.
+//! `tests/refs` (see its README) and the `te` binary; `server`: a
+//! `te serve` child process.
 
 #![allow(dead_code)]
+
+pub mod server;
 
 use std::path::PathBuf;
 use std::process::Command;

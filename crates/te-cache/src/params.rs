@@ -895,13 +895,7 @@ impl<S: KvStorage> InferenceParams<S> {
                 pool.unshare(page, registered(&self.prefix, p, page));
             }
         }
-        if self
-            .plan
-            .as_ref()
-            .is_some_and(|p| p.seq_ids.contains(&seq_id))
-        {
-            self.plan = None;
-        }
+        self.drop_plan_naming(seq_id);
         Ok(())
     }
 
@@ -965,6 +959,13 @@ impl<S: KvStorage> InferenceParams<S> {
         if self.prefix.is_some() {
             seq.keys.truncate(new_len / self.pools[0].page_size);
         }
+        self.drop_plan_naming(seq_id);
+        Ok(())
+    }
+
+    /// Drops the planned step if it names `seq_id` (its sequence changed:
+    /// `pre_step` must plan again).
+    fn drop_plan_naming(&mut self, seq_id: u64) {
         if self
             .plan
             .as_ref()
@@ -972,7 +973,6 @@ impl<S: KvStorage> InferenceParams<S> {
         {
             self.plan = None;
         }
-        Ok(())
     }
 
     /// Drops every cached (unreferenced, registered) page from the prefix

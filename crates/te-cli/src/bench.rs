@@ -39,9 +39,9 @@
 use std::io::Write;
 use std::time::Instant;
 
+use crate::draft::Drafting;
 use anyhow::{bail, Context};
 use te_engine::sampling::SamplingParams;
-use te_engine::speculative::SpeculativeConfig;
 use te_engine::{Engine, EngineConfig, Event, Request};
 use te_models::model::Model;
 
@@ -108,7 +108,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "jsonl" => Format::Jsonl,
         other => bail!("-o {other}: expected md, json or jsonl"),
     };
-    let speculative = args.draft.config()?;
     if args.batched {
         if !args.n_prompt.is_empty() || !args.n_gen.is_empty() {
             bail!("-p/-n are for llama-bench mode; with --batched use --npp, --ntg and --npl");
@@ -125,7 +124,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let longest = npp.iter().max().unwrap_or(&0) + ntg.iter().max().unwrap_or(&0) + 1;
         let context = longest.max(WARMUP_TOKENS + 1);
         let placed = crate::load_on(&args.model, &args.device, Some(context))?;
-        batched(&placed, &npp, &ntg, &npl, threads, format, speculative)
+        let drafting = args.draft.load(&placed.loaded)?;
+        batched(&placed, &npp, &ntg, &npl, threads, format, &drafting)
     } else {
         if !args.npp.is_empty() || !args.ntg.is_empty() || !args.npl.is_empty() {
             bail!("--npp/--ntg/--npl need --batched");
@@ -147,6 +147,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             + n_gen.iter().max().unwrap_or(&0).max(&1)
             + 1;
         let placed = crate::load_on(&args.model, &args.device, Some(context))?;
+        let drafting = args.draft.load(&placed.loaded)?;
         let desc = ModelDesc::new(&source, &info);
         let tests: Vec<(usize, usize)> = n_prompt
             .iter()
@@ -161,7 +162,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             args.repetitions,
             threads,
             format,
-            speculative,
+            &drafting,
         )
     }
 }
@@ -273,6 +274,7 @@ fn request(prompt: Vec<u32>, max_new_tokens: usize) -> Request {
         skip_special_tokens: true,
         constraint: None,
         cache_salt: None,
+        draft: te_engine::DraftLimits::default(),
     }
 }
 
@@ -364,7 +366,7 @@ fn test_engine<'m>(
     placed: &'m crate::Placed,
     n_prompt: usize,
     n_gen: usize,
-    speculative: Option<SpeculativeConfig>,
+    drafting: &'m Drafting,
 ) -> anyhow::Result<Engine<'m>> {
     let config = EngineConfig {
         max_batch_size: 1,
@@ -373,10 +375,9 @@ fn test_engine<'m>(
         kv_cache_tokens: Some(n_prompt.max(1) + n_gen.max(1) + 1),
         prefix_caching: false,
         gpu: placed.gpu.clone(),
-        speculative,
         ..EngineConfig::default()
     };
-    Ok(Engine::new(&placed.loaded.model, None, config)?)
+    drafting.engine(&placed.loaded.model, None, config)
 }
 
 /// One timed run, in ns: `n_prompt` prompt tokens and their first token
@@ -408,7 +409,7 @@ fn single(
     reps: usize,
     threads: usize,
     format: Format,
-    speculative: Option<SpeculativeConfig>,
+    drafting: &Drafting,
 ) -> anyhow::Result<()> {
     let (model, tokenizer) = (&placed.loaded.model, &placed.loaded.tokenizer);
     for &(p, n) in tests {
@@ -436,7 +437,7 @@ fn single(
     // llama-bench's backend names.
     let backend = if placed.gpu.is_some() { "CUDA" } else { "CPU" };
     for (i, &(n_prompt, n_gen)) in tests.iter().enumerate() {
-        let mut engine = test_engine(placed, n_prompt, n_gen, speculative)?;
+        let mut engine = test_engine(placed, n_prompt, n_gen, drafting)?;
         // Warm-up: the whole prompt for pp, one token for tg (llama-bench).
         if n_prompt > 0 {
             measure(&mut engine, bos, n_prompt, 0)?;
@@ -517,7 +518,7 @@ fn batched(
     npl: &[usize],
     threads: usize,
     format: Format,
-    speculative: Option<SpeculativeConfig>,
+    drafting: &Drafting,
 ) -> anyhow::Result<()> {
     let (model, tokenizer) = (&placed.loaded.model, &placed.loaded.tokenizer);
     for &pp in npp {
@@ -556,11 +557,10 @@ fn batched(
         kv_cache_tokens: Some(kv.max(per_seq(WARMUP_TOKENS, 1))),
         prefix_caching: false,
         gpu: placed.gpu.clone(),
-        speculative,
         ..EngineConfig::default()
     };
     let n_batch = config.max_step_tokens;
-    let mut engine = Engine::new(model, None, config)?;
+    let mut engine = drafting.engine(model, None, config)?;
     // Warm-up: the largest step (max_pl prompts of one prefill chunk) and
     // their first token (see the module doc).
     for s in 0..max_pl {

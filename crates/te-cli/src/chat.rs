@@ -439,6 +439,7 @@ impl Chat<'_> {
                 skip_special_tokens: true,
                 constraint: None,
                 cache_salt: None,
+                draft: te_engine::DraftLimits::default(),
             })
             .map_err(|e| {
                 anyhow::anyhow!("{e} (/reset starts a new conversation, /save keeps this one)")

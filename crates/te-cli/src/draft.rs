@@ -1,15 +1,19 @@
 //! The speculative decoding flags shared by `te generate`, `te bench` and
-//! `te serve` (`--draft-ngram`, `--model-draft` (generate only, for now),
-//! `--draft-max`, `--draft-min`), the draft model's vocabulary check, and
-//! the draft counters of `--stats`.
+//! `te serve` (`--draft-ngram`, `--model-draft`, `--kv-cache-tokens-draft`,
+//! `--draft-max`, `--draft-min`), the draft model's vocabulary check, the
+//! engine with or without a draft model, and the draft counters of
+//! `--stats`.
 
 use te_engine::speculative::{DraftSource, SpeculativeConfig};
-use te_engine::EngineStats;
+use te_engine::{Engine, EngineConfig, EngineStats};
 use te_models::loader::LoadedModel;
+use te_models::model::Model;
+use te_tokenizer::Tokenizer;
 
-/// Speculative decoding by prompt lookup (see docs/ARCHITECTURE.md,
-/// "Speculative decoding"): greedy output is bit-identical to plain
-/// decoding, sampled output keeps its distribution.
+/// Speculative decoding by prompt lookup or a draft model (see
+/// docs/ARCHITECTURE.md, "Speculative decoding"): greedy output is
+/// bit-identical to plain decoding, sampled output keeps its
+/// distribution.
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct DraftArgs {
     /// Prompt lookup: draft the tokens that followed the last earlier
@@ -17,7 +21,7 @@ pub struct DraftArgs {
     /// verify them in one step.
     #[arg(long, value_name = "N", conflicts_with = "model_draft")]
     pub draft_ngram: Option<usize>,
-    /// A draft model (`te generate` only): its greedy tokens are verified
+    /// A draft model: its greedy tokens are verified
     /// in one step. Its vocabulary must equal the target's (every token).
     #[arg(long, value_name = "MODEL")]
     pub model_draft: Option<String>,
@@ -36,24 +40,12 @@ pub struct DraftArgs {
 }
 
 impl DraftArgs {
-    /// The engine setting of a command without draft models (`None`
-    /// without `--draft-ngram`).
-    ///
-    /// Errors: `--model-draft` (`te generate` only), and those of
-    /// [`config_with_model`](Self::config_with_model).
-    pub fn config(&self) -> anyhow::Result<Option<SpeculativeConfig>> {
-        if self.model_draft.is_some() {
-            anyhow::bail!("--model-draft: only `te generate` takes a draft model for now");
-        }
-        self.config_with_model()
-    }
-
     /// The engine setting (`None` without `--draft-ngram` or
     /// `--model-draft`).
     ///
     /// Errors: a value out of range, naming the flag; --draft-max without
     /// a draft source.
-    pub fn config_with_model(&self) -> anyhow::Result<Option<SpeculativeConfig>> {
+    pub fn config(&self) -> anyhow::Result<Option<SpeculativeConfig>> {
         let source = match (self.draft_ngram, &self.model_draft) {
             (Some(n), _) => DraftSource::Ngram(n),
             (None, Some(_)) => DraftSource::Model,
@@ -73,6 +65,17 @@ impl DraftArgs {
             anyhow::bail!("--{}: {reason}", setting.replace('_', "-"));
         }
         Ok(Some(config))
+    }
+
+    /// The setting and the draft model ([`load_draft`]) for `target`.
+    ///
+    /// Errors: those of [`config`](Self::config) and [`load_draft`].
+    pub fn load(&self, target: &LoadedModel) -> anyhow::Result<Drafting> {
+        Ok(Drafting {
+            config: self.config()?,
+            model: load_draft(self, target)?,
+            kv_cache_tokens: self.kv_cache_tokens_draft,
+        })
     }
 }
 
@@ -116,6 +119,41 @@ pub fn load_draft(args: &DraftArgs, target: &LoadedModel) -> anyhow::Result<Opti
         );
     }
     Ok(Some(draft))
+}
+
+/// A command's speculative decoding: the engine setting and the loaded
+/// draft model, if any ([`DraftArgs::load`]).
+pub struct Drafting {
+    /// The engine setting (`None`: plain decoding).
+    pub config: Option<SpeculativeConfig>,
+    /// `--model-draft`, loaded and checked against the target.
+    pub model: Option<LoadedModel>,
+    /// `--kv-cache-tokens-draft`.
+    pub kv_cache_tokens: Option<usize>,
+}
+
+impl Drafting {
+    /// The engine over `target` with this drafting (`config.speculative`
+    /// is replaced): with the draft model, if any, in a pool of its own.
+    ///
+    /// Errors: those of [`Engine::new`] and [`Engine::with_draft_model`].
+    pub fn engine<'m>(
+        &'m self,
+        target: &'m Model,
+        tokenizer: Option<&'m Tokenizer>,
+        config: EngineConfig,
+    ) -> anyhow::Result<Engine<'m>> {
+        let config = EngineConfig {
+            speculative: self.config,
+            ..config
+        };
+        Ok(match &self.model {
+            Some(d) => {
+                Engine::with_draft_model(target, tokenizer, config, &d.model, self.kv_cache_tokens)?
+            }
+            None => Engine::new(target, tokenizer, config)?,
+        })
+    }
 }
 
 /// The draft counters as JSON fields: `draft_tokens`, `accepted_tokens`,

@@ -314,13 +314,17 @@ impl Job<'_> {
             kv_cache_tokens: args.kv_cache_tokens,
             prefix_caching: !args.no_prefix_caching,
             gpu: self.gpu.clone(),
-            speculative: args.draft.config_with_model()?,
             ..EngineConfig::default()
         };
         let model = &self.loaded.model;
-        let draft = match comm {
-            Some(_) => None,
-            None => crate::draft::load_draft(&args.draft, self.loaded)?,
+        // Context parallelism runs without drafting.
+        let drafting = match comm {
+            Some(_) => crate::draft::Drafting {
+                config: None,
+                model: None,
+                kv_cache_tokens: None,
+            },
+            None => args.draft.load(self.loaded)?,
         };
         let mut engine = match comm {
             Some(comm) => Engine::with_context_parallel(
@@ -329,16 +333,7 @@ impl Job<'_> {
                 config,
                 ContextParallel::new(comm)?,
             )?,
-            None => match &draft {
-                Some(d) => Engine::with_draft_model(
-                    model,
-                    Some(tokenizer),
-                    config,
-                    &d.model,
-                    args.draft.kv_cache_tokens_draft,
-                )?,
-                None => Engine::new(model, Some(tokenizer), config)?,
-            },
+            None => drafting.engine(model, Some(tokenizer), config)?,
         };
         if print {
             let ranks = engine.context_parallel().map_or(1, |cp| cp.cp_size());
@@ -368,6 +363,7 @@ impl Job<'_> {
                     skip_special_tokens: !args.json,
                     constraint: None,
                     cache_salt: None,
+                    draft: te_engine::DraftLimits::default(),
                 })
                 .with_context(|| format!("prompt {i}"))?;
             // Ids are handed out in order from 0.

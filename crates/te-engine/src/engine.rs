@@ -77,7 +77,7 @@ use te_models::runner::Runner;
 use te_tokenizer::Tokenizer;
 
 use crate::output::{Event, FinishReason, Usage};
-use crate::request::{invalid, Request, RequestError, RequestId};
+use crate::request::{invalid, DraftLimits, Request, RequestError, RequestId};
 use crate::sampling::{Sampler, TokenLogprobs};
 use crate::scheduler::{Schedule, Scheduler, SchedulerConfig, SeqState};
 use crate::speculative::{
@@ -486,7 +486,8 @@ impl<'a> Engine<'a> {
     /// Errors (nothing queued): an empty prompt, a token id outside the
     /// vocabulary, a prompt that leaves no room for one generated token in
     /// the context or the whole KV pool, invalid sampling settings, an empty
-    /// stop string, stop strings without a tokenizer.
+    /// stop string, stop strings without a tokenizer, a
+    /// `draft.n_min` above its `draft.n_max`.
     pub fn add_request(
         &mut self,
         request: Request,
@@ -534,6 +535,18 @@ impl<'a> Engine<'a> {
         if request.stop.iter().any(String::is_empty) {
             return Err(invalid("stop", "stop strings must not be empty"));
         }
+        if let DraftLimits {
+            n_max: Some(max),
+            n_min: Some(min),
+        } = request.draft
+        {
+            if min > max {
+                return Err(invalid(
+                    "speculative.n_min",
+                    format!("{min} is above speculative.n_max ({max})"),
+                ));
+            }
+        }
         if !request.stop.is_empty() && self.tokenizer.is_none() {
             return Err(invalid(
                 "stop",
@@ -554,7 +567,9 @@ impl<'a> Engine<'a> {
                     .map(|t| t.decode_stream(request.skip_special_tokens)),
                 request.stop,
             ),
-            drafter: self.speculative.map(Drafter::new),
+            drafter: self
+                .speculative
+                .and_then(|c| Drafter::new(c, request.draft)),
         };
         let mut seq = SeqState::new(id, request.prompt_tokens, gen);
         seq.cache_salt = request.cache_salt;
@@ -835,7 +850,7 @@ impl<'a> Engine<'a> {
             return Ok(());
         }
         let batch = self.sched.running().len();
-        let row_cost = self.cost.row_cost(batch);
+        let extra = self.cost.extra_costs(batch);
         let chunk = self.prefill_chunk;
         if let Some(dm) = self.draft_model.as_mut() {
             let wants: Vec<DraftWant<'_>> = self
@@ -875,7 +890,7 @@ impl<'a> Engine<'a> {
                 .limit
                 .saturating_sub(seq.tokens.len() + 1)
                 .min(chunk - 1);
-            seq.draft = drafter.propose(&seq.tokens, room, batch, row_cost);
+            seq.draft = drafter.propose(&seq.tokens, room, batch, &extra);
         }
         Ok(())
     }

@@ -35,5 +35,5 @@ pub use driver::{channel, Command, EngineHandle, EngineStopped};
 pub use engine::{Engine, EngineConfig, EngineSnapshot, EngineStats, RankKv};
 pub use error::{EngineError, Result};
 pub use output::{Event, FinishReason, Usage};
-pub use request::{Request, RequestError, RequestId};
+pub use request::{DraftLimits, Request, RequestError, RequestId};
 pub use sampling::TokenLogprobs;

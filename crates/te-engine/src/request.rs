@@ -31,11 +31,28 @@ pub struct Request {
     /// gives each client (API key, or the request's `cache_salt`) its own,
     /// so one cannot probe what another's prompts were.
     pub cache_salt: Option<Vec<u8>>,
+    /// Per-request bounds on speculative decoding (default: the engine's
+    /// setting).
+    pub draft: DraftLimits,
+}
+
+/// A request's bounds on speculative decoding, llama.cpp server's
+/// `speculative.n_max` and `speculative.n_min`. They only narrow the
+/// engine's setting ([`crate::EngineConfig::speculative`]): an engine
+/// without drafting ignores them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DraftLimits {
+    /// Most tokens drafted per verification (0: no drafting for this
+    /// request); above the engine's own maximum it is that maximum.
+    pub n_max: Option<usize>,
+    /// Drafts shorter than this are not verified (plain decode instead);
+    /// at most `n_max` (0 counts as 1).
+    pub n_min: Option<usize>,
 }
 
 impl Request {
     /// A greedy request for `max_new_tokens` after `prompt_tokens`, no stop
-    /// strings, special tokens left out of the text, no cache salt.
+    /// strings, special tokens left out of the text, no cache salt, the engine's drafting.
     pub fn new(prompt_tokens: Vec<u32>, max_new_tokens: usize) -> Self {
         Request {
             prompt_tokens,
@@ -46,6 +63,7 @@ impl Request {
             skip_special_tokens: true,
             constraint: None,
             cache_salt: None,
+            draft: DraftLimits::default(),
         }
     }
 }

@@ -39,13 +39,16 @@
 //! an estimate `alpha` of the probability that a drafted token is
 //! accepted (an exponential average over verified positions; while not
 //! drafting, over whether the lookup's first token would have been the
-//! model's), and the engine keeps a linear fit `seconds = a + b * rows` of
-//! its decode steps. A draft of `k` tokens is expected to yield
-//! `sum_{i=1..k} alpha^i` extra tokens and to cost `b * k` seconds, which
-//! the step's `B` sequences all wait for; the engine drafts the `k` that
-//! maximises `sum alpha^i - B * k * b / (a + b * B)` when that is
-//! positive, and does not draft otherwise (free text, where lookups
-//! rarely hold, then runs as plain decode).
+//! model's), and the engine keeps the cost `c(rows)` of its decode steps
+//! (the measured mean of each row count, and a linear fit `a + b * rows`
+//! for counts not measured yet: a step's cost is not linear, a CPU's
+//! product kernels change path past a few rows). A draft of `k` tokens is
+//! expected to yield `sum_{i=1..k} alpha^i` extra tokens and to add
+//! `c(B + k) - c(B)` seconds, which the step's `B` sequences all wait
+//! for; the engine drafts the `k` that maximises
+//! `sum alpha^i - B * (c(B + k) - c(B)) / c(B)` when that is positive,
+//! and does not draft otherwise (free text, where lookups rarely hold,
+//! then runs as plain decode).
 
 use std::collections::HashMap;
 
@@ -54,6 +57,7 @@ use te_models::cuda::KvStore;
 use te_models::model::{Model, StepOutput};
 use te_models::runner::Runner;
 
+use crate::request::DraftLimits;
 use crate::sampling::argmax;
 use crate::EngineError;
 
@@ -145,13 +149,25 @@ pub fn lookup(tokens: &[u32], n: usize, max: usize) -> Vec<u32> {
     draft
 }
 
-/// The engine's estimate of what a verified row costs: a decayed
-/// least-squares fit `seconds = a + b * rows` over its decode steps.
+/// The engine's estimate of what a step of `rows` rows costs: a decayed
+/// mean of the measured decode steps of each row count (up to
+/// [`MEASURED_ROWS`]), and a decayed least-squares fit `seconds = a + b *
+/// rows` for the counts not measured yet. A step's cost is not linear in
+/// its rows (a CPU's few-row product kernels give way to a panel path
+/// past a few rows, at a higher cost per row), so each count's own mean
+/// wins where there is one.
 #[derive(Clone, Debug)]
 pub(crate) struct CostModel {
     /// Decayed sums of 1, x, x², y, x·y (x = rows, y = seconds).
     sums: [f64; 5],
+    /// Mean seconds of the steps of `r + 1` rows (`None`: none yet).
+    by_rows: [Option<f64>; MEASURED_ROWS],
 }
+
+/// Row counts whose steps are measured one by one.
+const MEASURED_ROWS: usize = 64;
+/// Weight of one step in its row count's mean.
+const ROWS_RATE: f64 = 0.3;
 
 /// The extra cost of one row relative to a one-row step, assumed until
 /// the steps so far vary enough in size to fit one.
@@ -159,9 +175,16 @@ const PRIOR_ROW_COST: f64 = 0.1;
 /// Decay per step of the cost fit's sums.
 const COST_DECAY: f64 = 0.99;
 
+/// `extra[k - 1]`: the cost of `k` more rows relative to the step without
+/// them, for `k` in `1..=ADAPTIVE_DRAFT_MAX` ([`CostModel::extra_costs`]).
+pub(crate) type ExtraCosts = [f64; ADAPTIVE_DRAFT_MAX];
+
 impl CostModel {
     pub(crate) fn new() -> Self {
-        CostModel { sums: [0.0; 5] }
+        CostModel {
+            sums: [0.0; 5],
+            by_rows: [None; MEASURED_ROWS],
+        }
     }
 
     /// Records a decode step of `rows` rows that took `seconds`.
@@ -174,27 +197,56 @@ impl CostModel {
         {
             *s = *s * COST_DECAY + v;
         }
+        if let Some(m) = rows.checked_sub(1).and_then(|i| self.by_rows.get_mut(i)) {
+            *m = Some(m.map_or(seconds, |m| m + ROWS_RATE * (seconds - m)));
+        }
     }
 
-    /// The cost of one more row relative to a step of `batch` rows,
-    /// `b / (a + b * batch)`.
-    pub(crate) fn row_cost(&self, batch: usize) -> f64 {
+    /// The linear fit `(a, b)`, once the steps vary enough in size.
+    fn fit(&self) -> Option<(f64, f64)> {
         let [n, sx, sxx, sy, sxy] = self.sums;
         let var = n * sxx - sx * sx;
         // Too little spread in step sizes (n * var of x below ~1/4 step²).
         if n < 4.0 || var < 0.25 * n * n {
-            return PRIOR_ROW_COST / (1.0 + PRIOR_ROW_COST * (batch as f64 - 1.0));
+            return None;
         }
         let b = ((n * sxy - sx * sy) / var).max(0.0);
         let a = ((sy - b * sx) / n).max(1e-9);
-        b / (a + b * batch as f64)
+        Some((a, b))
+    }
+
+    /// The cost of `k` more rows relative to a step of `batch` rows, for
+    /// each `k` in `1..=ADAPTIVE_DRAFT_MAX`: from the measured means of
+    /// both row counts where there are both, else from the linear fit
+    /// (`k * b / (a + b * batch)`), else from [`PRIOR_ROW_COST`].
+    pub(crate) fn extra_costs(&self, batch: usize) -> ExtraCosts {
+        let fit = self.fit();
+        let linear = |k: usize| match fit {
+            Some((a, b)) => k as f64 * b / (a + b * batch as f64),
+            None => k as f64 * PRIOR_ROW_COST / (1.0 + PRIOR_ROW_COST * (batch as f64 - 1.0)),
+        };
+        let measured = |rows: usize| rows.checked_sub(1).and_then(|i| *self.by_rows.get(i)?);
+        std::array::from_fn(|i| {
+            let k = i + 1;
+            match (measured(batch), measured(batch + k)) {
+                (Some(c0), Some(c1)) if c0 > 0.0 => ((c1 - c0) / c0).max(0.0),
+                _ => linear(k),
+            }
+        })
     }
 }
 
 /// One sequence's drafting state.
 #[derive(Clone, Debug)]
 pub(crate) struct Drafter {
-    config: SpeculativeConfig,
+    source: DraftSource,
+    /// A fixed length (`draft_max` given): draft `cap` tokens whenever the
+    /// source has them; else the adaptive length, at most `cap`.
+    fixed: bool,
+    /// Longest draft (the engine's and the request's bounds).
+    cap: usize,
+    /// Shortest draft verified.
+    min: usize,
     /// Estimated probability that a drafted token is accepted.
     alpha: f64,
     /// The lookup's first token when the last step did not draft (its
@@ -208,39 +260,48 @@ const PRIOR_ALPHA: f64 = 0.5;
 const ALPHA_RATE: f64 = 0.15;
 
 impl Drafter {
-    pub(crate) fn new(config: SpeculativeConfig) -> Self {
-        Drafter {
-            config,
+    /// The drafter of a request under the engine's `config`, narrowed by
+    /// the request's `limits` (`None`: the request drafts nothing).
+    pub(crate) fn new(config: SpeculativeConfig, limits: DraftLimits) -> Option<Self> {
+        let engine_max = config.draft_max.unwrap_or(match config.source {
+            DraftSource::Ngram(_) => ADAPTIVE_DRAFT_MAX,
+            DraftSource::Model => MODEL_DRAFT_DEFAULT,
+        });
+        let cap = limits.n_max.map_or(engine_max, |n| n.min(engine_max));
+        if cap == 0 {
+            return None;
+        }
+        Some(Drafter {
+            source: config.source,
+            fixed: config.draft_max.is_some(),
+            cap,
+            min: limits.n_min.unwrap_or(config.draft_min).clamp(1, cap),
             alpha: PRIOR_ALPHA,
             shadow: None,
-        }
+        })
     }
 
     /// The draft for a sequence of `tokens` (its last token not yet fed)
     /// that may take at most `room` more tokens, in a step of `batch`
-    /// sequences whose rows cost `row_cost` each (relative to the step).
+    /// sequences to which `k` more rows add `extra[k - 1]` of its cost.
     pub(crate) fn propose(
         &mut self,
         tokens: &[u32],
         room: usize,
         batch: usize,
-        row_cost: f64,
+        extra: &ExtraCosts,
     ) -> Vec<u32> {
         self.shadow = None;
-        let DraftSource::Ngram(n) = self.config.source else {
+        let DraftSource::Ngram(n) = self.source else {
             return Vec::new();
         };
-        let cap = self
-            .config
-            .draft_max
-            .unwrap_or(ADAPTIVE_DRAFT_MAX)
-            .min(room);
-        let mut found = lookup(tokens, n, cap);
-        let k = match self.config.draft_max {
-            Some(_) => found.len(),
-            None => self.best_len(found.len(), batch, row_cost),
+        let mut found = lookup(tokens, n, self.cap.min(room));
+        let k = if self.fixed {
+            found.len()
+        } else {
+            self.best_len(found.len(), batch, extra)
         };
-        if k < self.config.draft_min || k == 0 {
+        if k < self.min {
             self.shadow = found.first().copied();
             return Vec::new();
         }
@@ -251,12 +312,8 @@ impl Drafter {
     /// The length of a draft model's draft with `room` tokens left (0:
     /// none).
     pub(crate) fn model_len(&self, room: usize) -> usize {
-        let k = self
-            .config
-            .draft_max
-            .unwrap_or(MODEL_DRAFT_DEFAULT)
-            .min(room);
-        if k < self.config.draft_min {
+        let k = self.cap.min(room);
+        if k < self.min {
             0
         } else {
             k
@@ -265,13 +322,13 @@ impl Drafter {
 
     /// The draft length in `0..=available` with the largest expected gain
     /// (module doc); 0 when none gains.
-    fn best_len(&self, available: usize, batch: usize, row_cost: f64) -> usize {
+    fn best_len(&self, available: usize, batch: usize, extra: &ExtraCosts) -> usize {
         let (mut best, mut best_gain) = (0, 0.0);
         let (mut yield_, mut p) = (0.0, 1.0);
-        for k in 1..=available {
+        for (k, cost) in (1..=available).zip(extra) {
             p *= self.alpha;
             yield_ += p;
-            let gain = yield_ - batch as f64 * k as f64 * row_cost;
+            let gain = yield_ - batch as f64 * cost;
             if gain > best_gain {
                 (best, best_gain) = (k, gain);
             }
@@ -466,6 +523,11 @@ impl<'a> DraftModel<'a> {
 mod tests {
     use super::*;
 
+    /// Extra costs of `row_cost` per row.
+    fn flat(row_cost: f64) -> ExtraCosts {
+        std::array::from_fn(|i| (i + 1) as f64 * row_cost)
+    }
+
     #[test]
     fn lookup_takes_the_latest_earlier_occurrence() {
         // "1 2" occurs at 0 and 3; the latest earlier one is at 3, and its
@@ -483,18 +545,22 @@ mod tests {
 
     #[test]
     fn adaptive_length_backs_off_when_drafts_fail() {
-        let mut d = Drafter::new(SpeculativeConfig::ngram(1));
+        let mut d = Drafter::new(SpeculativeConfig::ngram(1), DraftLimits::default()).unwrap();
         let t = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 1];
-        assert!(!d.propose(&t, 100, 1, 0.1).is_empty());
+        assert!(!d.propose(&t, 100, 1, &flat(0.1)).is_empty());
         for _ in 0..30 {
             d.record(4, 0);
         }
-        assert!(d.propose(&t, 100, 1, 0.1).is_empty(), "alpha {}", d.alpha);
+        assert!(
+            d.propose(&t, 100, 1, &flat(0.1)).is_empty(),
+            "alpha {}",
+            d.alpha
+        );
         // The lookup's first token keeps being right: drafting resumes
         // and, accepted, lengthens.
         let mut lengths = Vec::new();
         for _ in 0..40 {
-            let k = d.propose(&t, 100, 1, 0.1).len();
+            let k = d.propose(&t, 100, 1, &flat(0.1)).len();
             lengths.push(k);
             if k == 0 {
                 d.record_plain(2);
@@ -506,30 +572,96 @@ mod tests {
             lengths[0] == 0 && lengths.windows(2).all(|w| w[0] <= w[1]),
             "{lengths:?}"
         );
-        assert_eq!(d.propose(&t, 100, 1, 0.1).len(), ADAPTIVE_DRAFT_MAX);
+        assert_eq!(d.propose(&t, 100, 1, &flat(0.1)).len(), ADAPTIVE_DRAFT_MAX);
         // A fixed length ignores the estimate.
-        let mut d = Drafter::new(SpeculativeConfig {
+        let fixed = SpeculativeConfig {
             draft_max: Some(3),
             ..SpeculativeConfig::ngram(1)
-        });
+        };
+        let mut d = Drafter::new(fixed, DraftLimits::default()).unwrap();
         d.alpha = 0.0;
-        assert_eq!(d.propose(&t, 100, 1, 0.1), vec![2, 3, 4]);
-        assert_eq!(d.propose(&t, 2, 1, 0.1), vec![2, 3]);
+        assert_eq!(d.propose(&t, 100, 1, &flat(0.1)), vec![2, 3, 4]);
+        assert_eq!(d.propose(&t, 2, 1, &flat(0.1)), vec![2, 3]);
+    }
+
+    #[test]
+    fn request_limits_narrow_the_engine_setting() {
+        let t = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 1];
+        let limits = |n_max, n_min| DraftLimits { n_max, n_min };
+        let adaptive = SpeculativeConfig::ngram(1);
+        let fixed = SpeculativeConfig {
+            draft_max: Some(3),
+            ..adaptive
+        };
+        // n_max 0: this request does not draft.
+        assert!(Drafter::new(adaptive, limits(Some(0), None)).is_none());
+        assert!(Drafter::new(fixed, limits(Some(0), Some(1))).is_none());
+        // Below the engine's fixed length: that many; above it: the
+        // engine's.
+        let propose = |config, l| {
+            Drafter::new(config, l)
+                .unwrap()
+                .propose(&t, 100, 1, &flat(0.1))
+        };
+        assert_eq!(propose(fixed, limits(Some(2), None)), [2, 3]);
+        assert_eq!(propose(fixed, limits(Some(10), None)), [2, 3, 4]);
+        // n_min above what there is room for: no draft.
+        let mut d = Drafter::new(fixed, limits(None, Some(3))).unwrap();
+        assert!(d.propose(&t, 2, 1, &flat(0.1)).is_empty());
+        assert_eq!(d.propose(&t, 3, 1, &flat(0.1)), [2, 3, 4]);
+        // The adaptive length, sure of acceptance, drafts up to n_max.
+        let mut d = Drafter::new(adaptive, limits(Some(5), None)).unwrap();
+        d.alpha = 1.0;
+        assert_eq!(d.propose(&t, 100, 1, &flat(0.1)), [2, 3, 4, 5, 6]);
+        // A draft model's length likewise.
+        let model = SpeculativeConfig {
+            source: DraftSource::Model,
+            ..adaptive
+        };
+        let d = Drafter::new(model, limits(Some(2), None)).unwrap();
+        assert_eq!((d.model_len(100), d.model_len(1)), (2, 1));
+        let d = Drafter::new(model, DraftLimits::default()).unwrap();
+        assert_eq!(d.model_len(100), MODEL_DRAFT_DEFAULT);
     }
 
     #[test]
     fn cost_fit_recovers_a_linear_cost() {
         let mut c = CostModel::new();
-        assert!((c.row_cost(1) - PRIOR_ROW_COST).abs() < 1e-12);
+        assert!((c.extra_costs(1)[0] - PRIOR_ROW_COST).abs() < 1e-12);
         for i in 0..50 {
             let rows = 1 + i % 5;
             c.record(rows, 0.2 + 0.01 * rows as f64);
         }
-        // b / (a + b) = 0.01 / 0.21.
-        assert!(
-            (c.row_cost(1) - 0.01 / 0.21).abs() < 1e-9,
-            "{}",
-            c.row_cost(1)
-        );
+        // Measured counts (1..=5 rows): (c(1 + k) - c(1)) / c(1) =
+        // 0.01 k / 0.21; beyond them the fit's b / (a + b) = 0.01 / 0.21
+        // per row.
+        let extra = c.extra_costs(1);
+        for (k, e) in (1..).zip(extra) {
+            assert!((e - 0.01 * k as f64 / 0.21).abs() < 1e-9, "k {k}: {e}");
+        }
+    }
+
+    #[test]
+    fn measured_row_counts_override_the_fit() {
+        // Steps cost 0.1 + 0.01 * rows, except from 7 rows on, which cost
+        // 0.3 more (a kernel's path changes). Seen: 1..=6 rows and 8 rows.
+        let cost = |rows: usize| 0.1 + 0.01 * rows as f64 + if rows >= 7 { 0.3 } else { 0.0 };
+        let mut c = CostModel::new();
+        for i in 0..40 {
+            let rows = [1, 2, 3, 4, 5, 6, 8][i % 7];
+            c.record(rows, cost(rows));
+        }
+        let extra = c.extra_costs(1);
+        // 7 more rows (8 in all) measured: its true relative cost.
+        assert!((extra[6] - (cost(8) - cost(1)) / cost(1)).abs() < 1e-9);
+        assert!((extra[4] - (cost(6) - cost(1)) / cost(1)).abs() < 1e-9);
+        // The draft stops before the cliff: with alpha = 0.7 the 6th and
+        // 7th tokens' expected yield does not pay for the jump.
+        let mut d = Drafter::new(SpeculativeConfig::ngram(1), DraftLimits::default()).unwrap();
+        d.alpha = 0.7;
+        let k = d.best_len(7, 1, &extra);
+        assert!(k <= 5, "{k}: {extra:?}");
+        // Without the cliff (a hundredth of a step per row) it drafts all 7.
+        assert_eq!(d.best_len(7, 1, &flat(0.01)), 7);
     }
 }

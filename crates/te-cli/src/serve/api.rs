@@ -17,13 +17,17 @@
 //! [`MAX_TOOLS`]) and `tool_choice`, and `tool` messages and assistant
 //! `tool_calls` in `messages`. Extensions as vLLM names them: `top_k` (0 or -1 = off), `min_p`,
 //! `repetition_penalty`, `ignore_eos`, `return_token_ids` (the prompt's and
-//! the completion's token ids in each choice). OpenAI features te-rs does
+//! the completion's token ids in each choice); as llama.cpp's server names
+//! them, `speculative.n_max` (most drafted tokens per verification, 0: no
+//! drafting; bounded by the server's setting) and `speculative.n_min`
+//! (shortest draft verified). OpenAI features te-rs does
 //! not have (suffix, best_of > 1, audio, content parts other than text,
 //! the deprecated `functions`) are refused with a 400 that names the field, never silently ignored;
 //! fields it does not know are ignored.
 
 use serde_json::{Map, Value};
 use te_engine::sampling::SamplingParams;
+use te_engine::DraftLimits;
 use te_tokenizer::chat::ChatMessage;
 
 use super::error::ApiError;
@@ -87,6 +91,8 @@ pub struct GenerationRequest {
     pub tools: Vec<Value>,
     /// Whether and how the model calls them (`None` without tools).
     pub tool_choice: ToolChoice,
+    /// llama.cpp's `speculative.n_max` and `speculative.n_min`.
+    pub draft: DraftLimits,
 }
 
 /// `tool_choice`.
@@ -382,7 +388,22 @@ pub fn parse(
         },
         tools,
         tool_choice,
+        draft: DraftLimits {
+            n_max: draft_len(&f, "speculative.n_max")?,
+            n_min: draft_len(&f, "speculative.n_min")?,
+        },
     })
+}
+
+/// A draft length field: a non-negative integer.
+fn draft_len(f: &Fields<'_>, name: &str) -> Result<Option<usize>, ApiError> {
+    match f.int(name)? {
+        None => Ok(None),
+        Some(n) => {
+            int_range(name, n, 0, i64::MAX)?;
+            Ok(Some(usize::try_from(n).unwrap_or(usize::MAX)))
+        }
+    }
 }
 
 /// `response_format`: `text` (None), `json_object`, or `json_schema` with
@@ -1040,6 +1061,27 @@ mod tests {
         assert_eq!(r.sampling.seed, u64::MAX);
         assert_eq!(r.stop, vec!["a", "b"]);
         assert!(r.stream && r.include_usage);
+    }
+
+    #[test]
+    fn speculative_fields_parse_as_llama_cpp_names_them() {
+        let r = completion(json!({"model": "m", "prompt": "x"})).unwrap();
+        assert_eq!(r.draft, DraftLimits::default());
+        let r = completion(json!({
+            "model": "m", "prompt": "x", "speculative.n_max": 0, "speculative.n_min": 2,
+        }))
+        .unwrap();
+        assert_eq!(
+            r.draft,
+            DraftLimits {
+                n_max: Some(0),
+                n_min: Some(2)
+            }
+        );
+        for bad in [json!(-1), json!(1.5), json!("4")] {
+            let body = json!({"model": "m", "prompt": "x", "speculative.n_max": bad});
+            assert_eq!(err_param(completion(body)).0, "speculative.n_max");
+        }
     }
 
     #[test]

@@ -211,6 +211,7 @@ async fn generate(
             skip_special_tokens: true,
             constraint: constraint.clone(),
             cache_salt: cache_salt.clone(),
+            draft: req.draft,
         };
         let generation = bridge::submit(&s.handle, request)
             .await

@@ -48,7 +48,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use te_engine::{channel, Engine, EngineConfig};
+use te_engine::{channel, EngineConfig};
 use tokio::sync::watch;
 
 use state::{AppState, ServeSettings};
@@ -81,7 +81,8 @@ pub struct Args {
     /// Do not share the KV pages of common prompt prefixes.
     #[arg(long)]
     no_prefix_caching: bool,
-    /// Speculative decoding of every request (the server default).
+    /// Speculative decoding (the server default; a request may lower
+    /// `speculative.n_max`, 0 turning it off, and set `speculative.n_min`).
     #[command(flatten)]
     draft: crate::draft::DraftArgs,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health
@@ -199,11 +200,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             args.model
         ));
     }
+    let drafting = args.draft.load(&loaded)?;
     let config = EngineConfig {
         max_batch_size: args.max_batch_size,
         kv_cache_tokens: args.kv_cache_tokens,
         prefix_caching: !args.no_prefix_caching,
-        speculative: args.draft.config()?,
         ..EngineConfig::default()
     };
     let (handle, commands) = channel();
@@ -221,7 +222,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             move || -> anyhow::Result<()> {
                 // Cleared however the thread ends, a panic included.
                 let _alive = alive;
-                let mut engine = match Engine::new(&loaded.model, Some(&loaded.tokenizer), config) {
+                let engine = drafting.engine(&loaded.model, Some(&loaded.tokenizer), config);
+                let mut engine = match engine {
                     Ok(e) => e,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
