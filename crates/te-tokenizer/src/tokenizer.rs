@@ -241,20 +241,83 @@ fn added_token_kind(token_type: i32, control: bool, text: &str) -> AddedKind {
     }
 }
 
-/// The end of the prefix of `text` of about `cut` bytes: the whole text
-/// if it is no longer, else the last whitespace at or before `cut` (a
-/// pre-token boundary; the last character boundary if there is none).
-fn prefix_end(text: &str, cut: usize) -> usize {
+/// Where a prefix of `text` of about `cut` bytes ends: the whole text if
+/// it is no longer (`whole`); else the last whitespace in the second half
+/// of the first `cut` bytes (a pre-token boundary: `at_whitespace`), or,
+/// when there is none there, the last character boundary at or before
+/// `cut` (inside a word). A whitespace near the start alone must not
+/// shrink every prefix to a few bytes: the doubling would then run on to
+/// the whole text.
+struct PrefixEnd {
+    end: usize,
+    whole: bool,
+    at_whitespace: bool,
+}
+
+fn prefix_end(text: &str, cut: usize) -> PrefixEnd {
     if cut >= text.len() {
-        return text.len();
+        return PrefixEnd {
+            end: text.len(),
+            whole: true,
+            at_whitespace: true,
+        };
     }
     let mut end = cut;
     while !text.is_char_boundary(end) {
         end -= 1;
     }
     match text[..end].rfind(char::is_whitespace) {
-        Some(i) if i > 0 => i,
-        _ => end,
+        Some(i) if i > 0 && i >= end / 2 => PrefixEnd {
+            end: i,
+            whole: false,
+            at_whitespace: true,
+        },
+        _ => PrefixEnd {
+            end,
+            whole: false,
+            at_whitespace: false,
+        },
+    }
+}
+
+/// [`Tokenizer::encode_limited`]'s prefixes: `encode` runs on prefixes of
+/// `text` until one proves it longer than `limit` tokens or the whole text
+/// is encoded; `max_piece_bytes` is the vocabulary's longest piece.
+fn encode_prefixes(
+    text: &str,
+    limit: usize,
+    max_piece_bytes: usize,
+    encode: impl Fn(&str) -> Result<Vec<u32>>,
+) -> Result<Vec<u32>> {
+    let too_long = |at_least| TokenizerError::TooLong { at_least, limit };
+    let most_bytes = limit.saturating_mul(max_piece_bytes).saturating_mul(4);
+    if text.len() > most_bytes {
+        let per_token = max_piece_bytes.saturating_mul(4);
+        return Err(too_long(text.len().div_ceil(per_token).max(limit + 1)));
+    }
+    let mut cut = limit.max(1024);
+    loop {
+        let prefix = prefix_end(text, cut);
+        let ids = encode(&text[..prefix.end])?;
+        if prefix.whole {
+            return if ids.len() > limit {
+                Err(too_long(ids.len()))
+            } else {
+                Ok(ids)
+            };
+        }
+        // A prefix cut at whitespace has no more tokens than the text
+        // (pre-tokens end there). Cut inside a word, only the last
+        // word's tokens can differ from the whole text's: it is
+        // refused with twice the limit of room for that (work still
+        // bounded by the limit).
+        if prefix.at_whitespace && ids.len() > limit {
+            return Err(too_long(ids.len()));
+        }
+        if !prefix.at_whitespace && ids.len() > 2 * limit + 64 {
+            return Err(too_long((ids.len() - 64) / 2));
+        }
+        cut = cut.saturating_mul(2);
     }
 }
 
@@ -717,9 +780,11 @@ impl Tokenizer {
     /// (BOS included) without encoding all of it: a text longer than
     /// `limit` times the longest piece (x4, for normalizers that shrink
     /// text) is refused unread; otherwise prefixes of `limit` bytes,
-    /// twice that, and so on, cut before whitespace, are encoded until one
-    /// has more than `limit` tokens (refused) or the whole text is. The
-    /// work is bounded by the limit, not by the text.
+    /// twice that, and so on, cut before whitespace (or inside a word when
+    /// the prefix's second half has none), are encoded until one has more
+    /// than `limit` tokens (twice that when cut inside a word: refused) or
+    /// the whole text is. The work is bounded by the limit, not by the
+    /// text.
     ///
     /// Errors: [`TokenizerError::TooLong`]; as [`Tokenizer::encode`].
     pub fn encode_limited(
@@ -738,24 +803,7 @@ impl Tokenizer {
         limit: usize,
         encode: impl Fn(&str) -> Result<Vec<u32>>,
     ) -> Result<Vec<u32>> {
-        let too_long = |at_least| TokenizerError::TooLong { at_least, limit };
-        let most_bytes = limit.saturating_mul(self.max_piece_bytes).saturating_mul(4);
-        if text.len() > most_bytes {
-            let per_token = self.max_piece_bytes.saturating_mul(4);
-            return Err(too_long(text.len().div_ceil(per_token).max(limit + 1)));
-        }
-        let mut cut = limit.max(1024);
-        loop {
-            let end = prefix_end(text, cut);
-            let ids = encode(&text[..end])?;
-            if ids.len() > limit {
-                return Err(too_long(ids.len()));
-            }
-            if end == text.len() {
-                return Ok(ids);
-            }
-            cut = cut.saturating_mul(2);
-        }
+        encode_prefixes(text, limit, self.max_piece_bytes, encode)
     }
 
     /// Renders `messages` with the model's chat template
@@ -1440,6 +1488,52 @@ pub fn byte_token_ids(vocab_size: usize, specials: &[u32]) -> Option<Vec<u32>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A byte-level stand-in encoder (one token per byte) that adds up the
+    /// bytes it was given.
+    fn counting(work: &std::cell::Cell<usize>) -> impl Fn(&str) -> Result<Vec<u32>> + '_ {
+        move |t: &str| {
+            work.set(work.get() + t.len());
+            Ok(t.bytes().map(u32::from).collect())
+        }
+    }
+
+    #[test]
+    fn long_texts_are_refused_after_work_bounded_by_the_limit() {
+        let limit = 4096;
+        // Whitespace only near the start (once a prefix cut there
+        // encoded the whole text), none at all, and words.
+        let texts = [
+            format!("hi {}", "7".repeat(3 << 20)),
+            "7".repeat(3 << 20),
+            "word ".repeat(600_000),
+        ];
+        for text in &texts {
+            let work = std::cell::Cell::new(0);
+            let got = encode_prefixes(text, limit, 1 << 20, counting(&work));
+            match got {
+                Err(TokenizerError::TooLong { at_least, .. }) => {
+                    assert!(at_least > limit && at_least <= text.len())
+                }
+                other => panic!("{other:?}"),
+            }
+            // Prefixes double from the limit up to past twice it (+64).
+            assert!(
+                work.get() <= 16 * limit + 256,
+                "{} bytes encoded",
+                work.get()
+            );
+        }
+        // Within the limit, the text is encoded whole.
+        let text = format!("hi {}", "7".repeat(limit - 3));
+        let work = std::cell::Cell::new(0);
+        assert_eq!(
+            encode_prefixes(&text, limit, 1, counting(&work))
+                .unwrap()
+                .len(),
+            limit
+        );
+    }
 
     #[test]
     fn byte_level_chars_are_the_byte_level_alphabet() {
