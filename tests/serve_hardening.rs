@@ -315,17 +315,32 @@ fn huge_prompts_closed_early_leave_no_work_behind() {
     std::thread::sleep(Duration::from_millis(500));
     let (_, idle_rss) = usage(pid);
     // Six 2 MiB prompts of "7" (2.1 M tokens each), each client leaving
-    // after 0.3 s.
-    let body = completion(&"7".repeat(2 << 20), 4);
-    let clients: Vec<_> = (0..6)
-        .map(|_| {
-            let body = body.clone();
+    // after 0.3 s: two completions (one with a space near its start, which
+    // once made the length check encode it all), two chats (a template
+    // puts newlines before the content) and two /tokenize.
+    let sevens = "7".repeat(2 << 20);
+    let chat = serde_json::json!({
+        "model": MODEL, "messages": [{"role": "user", "content": sevens}], "max_tokens": 4,
+    })
+    .to_string();
+    let tokenize = serde_json::json!({ "content": format!("hi {sevens}") }).to_string();
+    let requests = [
+        ("/v1/completions", completion(&sevens, 4)),
+        ("/v1/completions", completion(&format!("hi {sevens}"), 4)),
+        ("/v1/chat/completions", chat.clone()),
+        ("/v1/chat/completions", chat),
+        ("/tokenize", tokenize.clone()),
+        ("/tokenize", tokenize),
+    ];
+    let clients: Vec<_> = requests
+        .into_iter()
+        .map(|(path, body)| {
             let to = server.addr;
             std::thread::spawn(move || {
                 let mut s = connect_from("127.0.0.1", to);
                 write!(
                     s,
-                    "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+                    "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
                      Content-Length: {}\r\n\r\n{body}",
                     body.len()
                 )
@@ -345,7 +360,10 @@ fn huge_prompts_closed_early_leave_no_work_behind() {
         std::thread::sleep(Duration::from_millis(500));
         let (cpu1, rss) = usage(pid);
         let busy = (cpu1 - cpu0) / 0.5;
-        let counted = responses(&server, "/v1/completions", &[400, 499]);
+        let counted = ["/v1/completions", "/v1/chat/completions", "/tokenize"]
+            .iter()
+            .map(|path| responses(&server, path, &[400, 499]))
+            .sum::<f64>();
         if busy < 0.1 && rss < idle_rss * 1.1 && counted == 6.0 {
             break;
         }
@@ -466,6 +484,21 @@ fn empty_api_keys_are_refused() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("API key") && err.contains("empty"), "{err}");
     }
+    // A key file with no key (blank and comment lines only).
+    let file = std::env::temp_dir().join(format!("te-no-keys-{}.txt", std::process::id()));
+    std::fs::write(&file, "\n# no key yet\n   \n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_te"))
+        .args(["serve", "--model", MODEL, "--port", "0", "--api-key-file"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&file);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--api-key-file") && err.contains("no key"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -43,6 +43,46 @@ const DEFAULT_COMPLETION_TOKENS: usize = 16;
 /// is returned to the system at once.
 const LARGE_BODY_BYTES: usize = 1 << 20;
 
+/// A slot among the `--max-concurrent-requests` the server holds, kept
+/// until the request's work (tokenizing included) ends; 429 when all are
+/// taken.
+pub(super) fn enter(s: &AppState) -> Result<InFlight, ApiError> {
+    s.metrics
+        .try_enter(s.max_concurrent_requests)
+        .ok_or_else(|| {
+            ApiError::status(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "rate_limit_exceeded",
+                format!(
+                "The server holds {} requests already (--max-concurrent-requests); retry later.",
+                s.max_concurrent_requests
+            ),
+            )
+        })
+}
+
+/// Tokenizes off the async threads with the request's slot held to the
+/// end of the work (a client that leaves does not free it early); after a
+/// body of `LARGE_BODY_BYTES` or more, the tokenizer's freed memory goes
+/// back to the system (glibc keeps it in the thread's arena otherwise).
+pub(super) async fn tokenize_holding<T: Send + 'static>(
+    in_flight: InFlight,
+    body_bytes: usize,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<(T, InFlight), ApiError> {
+    let large = body_bytes >= LARGE_BODY_BYTES;
+    tokio::task::spawn_blocking(move || {
+        let out = work();
+        if large {
+            crate::alloc_policy::release_free_memory();
+        }
+        (out, in_flight)
+    })
+    .await
+    .map_err(|e| internal(format!("tokenizing failed: {e}")))
+}
+
 /// `POST /v1/completions`.
 pub async fn completions(
     State(s): State<Arc<AppState>>,
@@ -105,35 +145,11 @@ async fn generate(
             ),
         ));
     }
-    let in_flight = s.metrics.try_enter(s.max_concurrent_requests).ok_or_else(|| {
-        ApiError::status(
-            StatusCode::TOO_MANY_REQUESTS,
-            "rate_limit_error",
-            "rate_limit_exceeded",
-            format!(
-                "The server holds {} generation requests already (--max-concurrent-requests); retry later.",
-                s.max_concurrent_requests
-            ),
-        )
-    })?;
-    // The request's slot travels with the tokenizing: a client that
-    // leaves meanwhile does not free it before the work ends. After a
-    // large prompt the tokenizer's freed memory goes back to the system
-    // (glibc keeps it in the thread's arena otherwise).
-    let large = body.len() >= LARGE_BODY_BYTES;
+    let in_flight = enter(&s)?;
     let (prepared, in_flight) = {
         let s = s.clone();
         let input = req.clone();
-        tokio::task::spawn_blocking(move || {
-            let prepared = prepare(&s, &input);
-            drop(input);
-            if large {
-                crate::alloc_policy::release_free_memory();
-            }
-            (prepared, in_flight)
-        })
-        .await
-        .map_err(|e| internal(format!("tokenizing failed: {e}")))?
+        tokenize_holding(in_flight, body.len(), move || prepare(&s, &input)).await?
     };
     let prepared = prepared?;
     let param = req.prompt_param();

@@ -324,8 +324,9 @@ impl Drop for EngineAlive {
 
 /// The API keys of `--api-key`, `--api-key-file` and `TE_API_KEY`.
 ///
-/// Errors: an unreadable file, an empty key (or one with whitespace or
-/// control characters, which no `Authorization` header carries).
+/// Errors: an unreadable file or one without a key, an empty key (or one
+/// with whitespace or control characters, which no `Authorization` header
+/// carries).
 fn api_keys(args: &Args) -> anyhow::Result<Vec<String>> {
     let mut keys: Vec<(String, String)> = args
         .api_key
@@ -335,6 +336,7 @@ fn api_keys(args: &Args) -> anyhow::Result<Vec<String>> {
     if let Some(path) = &args.api_key_file {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading --api-key-file {}", path.display()))?;
+        let before = keys.len();
         for (i, line) in text.lines().enumerate() {
             let line = line.trim();
             if !line.is_empty() && !line.starts_with('#') {
@@ -343,6 +345,13 @@ fn api_keys(args: &Args) -> anyhow::Result<Vec<String>> {
                     format!("{} line {}", path.display(), i + 1),
                 ));
             }
+        }
+        if keys.len() == before {
+            // An empty file must not quietly leave the server open.
+            bail!(
+                "--api-key-file {} holds no key (one per line; blank and # lines are skipped)",
+                path.display()
+            );
         }
     }
     if let Some(k) = std::env::var_os("TE_API_KEY") {

@@ -13,8 +13,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use serde_json::json;
+use te_tokenizer::TokenizerError;
 
-use super::completions::{chat_completions, completions};
+use super::completions::{chat_completions, completions, enter, tokenize_holding};
 use super::error::ApiError;
 use super::state::{AppState, ClientKey};
 
@@ -227,7 +228,10 @@ fn json_object(body: &[u8]) -> Result<serde_json::Map<String, serde_json::Value>
 /// `POST /tokenize` (llama.cpp's shape, vLLM's `prompt` accepted too):
 /// `{"content": TEXT}` -> `{"tokens": [ids], "count", "max_model_len"}`,
 /// the tokens a completion prompt of that text gets (BOS where the model
-/// adds one, special-token text parsed).
+/// adds one, special-token text parsed). It holds a request slot while it
+/// works (429 when `--max-concurrent-requests` are taken) and refuses a
+/// text of more tokens than the context (400 naming the field), found
+/// without encoding all of it.
 async fn tokenize(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
     let result = async {
         let o = json_object(&body)?;
@@ -246,11 +250,23 @@ async fn tokenize(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
             .as_str()
             .ok_or_else(|| ApiError::wrong_type(name, "a string", text))?
             .to_string();
+        let in_flight = enter(&s)?;
         let st = s.clone();
-        let tokens = tokio::task::spawn_blocking(move || st.loaded.tokenizer.encode(&text, true))
-            .await
-            .map_err(|e| ApiError::bad_value(name, e.to_string()))?
-            .map_err(|e| ApiError::bad_value(name, e.to_string()))?;
+        let limit = s.context_tokens;
+        let (tokens, _in_flight) = tokenize_holding(in_flight, body.len(), move || {
+            st.loaded.tokenizer.encode_limited(&text, true, limit)
+        })
+        .await?;
+        let tokens = tokens.map_err(|e| match e {
+            TokenizerError::TooLong { at_least, .. } => ApiError::too_long(
+                name,
+                format!(
+                    "This model's maximum context length is {limit} tokens. However, your \
+                     {name} resulted in at least {at_least} tokens."
+                ),
+            ),
+            e => ApiError::bad_value(name, e.to_string()),
+        })?;
         Ok::<_, ApiError>(json!({
             "tokens": tokens,
             "count": tokens.len(),
