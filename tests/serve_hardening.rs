@@ -832,3 +832,30 @@ mod fuzz {
         );
     }
 }
+
+#[test]
+fn a_body_declared_over_the_limit_is_refused_at_once() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start(MODEL, &["--max-body-bytes", "65536"]);
+    for path in ["/v1/completions", "/tokenize"] {
+        // The headers promise 100 MB; one byte follows. The 413 comes
+        // before the body would (no wait for the body timeout).
+        let mut s = connect_from("127.0.0.1", server.addr);
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        write!(
+            s,
+            "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+             Content-Length: 99999999\r\n\r\n{{"
+        )
+        .unwrap();
+        let mut head = String::new();
+        BufReader::new(&s).read_line(&mut head).unwrap();
+        assert!(head.starts_with("HTTP/1.1 413"), "{path}: {head:?}");
+    }
+    // 413 is OpenAI's JSON error on every route.
+    let big = format!("{{\"content\": \"{}\"}}", "a".repeat(70_000));
+    let (status, body) = server.post("/tokenize", &big);
+    assert_eq!(status, 413, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("a JSON error");
+    assert_eq!(v["error"]["code"], "request_too_large", "{body}");
+}

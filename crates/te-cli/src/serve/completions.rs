@@ -904,15 +904,20 @@ impl Run {
     }
 }
 
+/// The 413 of a body over `limit` bytes (`--max-body-bytes`).
+pub(super) fn too_large(limit: usize) -> ApiError {
+    ApiError::status(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "invalid_request_error",
+        "request_too_large",
+        format!("The request body is larger than the server's limit of {limit} bytes (--max-body-bytes)."),
+    )
+}
+
 /// A body the server would not read: too large (413) or broken (400).
-fn body_error(r: &BytesRejection, limit: usize) -> ApiError {
+pub(super) fn body_error(r: &BytesRejection, limit: usize) -> ApiError {
     if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-        ApiError::status(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid_request_error",
-            "request_too_large",
-            format!("The request body is larger than the server's limit of {limit} bytes (--max-body-bytes)."),
-        )
+        too_large(limit)
     } else {
         ApiError::invalid(
             None,

@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};
 use axum::http::{header, Method, StatusCode, Uri};
 use axum::middleware::{self, Next};
@@ -15,7 +16,9 @@ use axum::Router;
 use serde_json::json;
 use te_tokenizer::TokenizerError;
 
-use super::completions::{chat_completions, completions, enter, tokenize_holding};
+use super::completions::{
+    body_error, chat_completions, completions, enter, tokenize_holding, too_large,
+};
 use super::error::ApiError;
 use super::state::{AppState, ClientKey};
 
@@ -55,6 +58,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.max_body_bytes))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            declared_body_limit,
+        ))
         .layer(middleware::from_fn_with_state(state.clone(), require_key))
         .layer(middleware::from_fn_with_state(
             state.clone(),
@@ -94,6 +101,20 @@ async fn count(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Resp
 /// With API keys: `Authorization: Bearer KEY` (the scheme in any case)
 /// on every path but [`PUBLIC_PATHS`], else 401; the key's index goes
 /// with the request ([`ClientKey`]).
+/// A request whose `Content-Length` says its body is over
+/// `--max-body-bytes` gets its 413 at once, before the body is waited for
+/// (or a `100 Continue` invites it).
+async fn declared_body_limit(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    match declared {
+        Some(n) if n > s.max_body_bytes as u64 => too_large(s.max_body_bytes).into_response(),
+        _ => next.run(req).await,
+    }
+}
+
 async fn require_key(State(s): State<Arc<AppState>>, mut req: Request, next: Next) -> Response {
     if s.api_keys.is_empty() || PUBLIC_PATHS.contains(&req.uri().path()) {
         return next.run(req).await;
@@ -232,8 +253,9 @@ fn json_object(body: &[u8]) -> Result<serde_json::Map<String, serde_json::Value>
 /// works (429 when `--max-concurrent-requests` are taken) and refuses a
 /// text of more tokens than the context (400 naming the field), found
 /// without encoding all of it.
-async fn tokenize(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn tokenize(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
     let result = async {
+        let body = body.map_err(|r| body_error(&r, s.max_body_bytes))?;
         let o = json_object(&body)?;
         let (name, text) = match (o.get("content"), o.get("prompt")) {
             (Some(v), _) => ("content", v),
@@ -282,8 +304,12 @@ async fn tokenize(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
 /// `POST /detokenize`: `{"tokens": [ids]}` -> `{"content": TEXT}`
 /// (special tokens kept); an id outside the vocabulary is a 400 naming
 /// `tokens`.
-async fn detokenize(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn detokenize(
+    State(s): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let result = async {
+        let body = body.map_err(|r| body_error(&r, s.max_body_bytes))?;
         let o = json_object(&body)?;
         let v = o.get("tokens").ok_or_else(|| {
             ApiError::invalid(
