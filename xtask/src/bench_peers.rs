@@ -147,13 +147,13 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             "-m", &file, "-t", &t, "-p", N_PROMPT, "-n", N_GEN, "-r", REPS, "-o", "json",
         ];
         let run_llama = || -> anyhow::Result<Vec<(String, f64, f64)>> {
-            single_results(&capture(
+            crate::peers::single_results(&capture(
                 Command::new(llama.tool("llama-bench")).args(bench_args),
                 "llama-bench",
             )?)
         };
         let run_te = || -> anyhow::Result<Vec<(String, f64, f64)>> {
-            single_results(&capture(
+            crate::peers::single_results(&capture(
                 Command::new(&te).arg("bench").args(bench_args),
                 "te bench",
             )?)
@@ -496,25 +496,6 @@ fn capture(cmd: &mut Command, what: &str) -> anyhow::Result<String> {
         );
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-/// `(test name, avg_ts, stddev_ts)` of each object of a llama-bench JSON
-/// array (test names as llama-bench's markdown: `pp128`, `tg64`).
-pub(crate) fn single_results(json: &str) -> anyhow::Result<Vec<(String, f64, f64)>> {
-    let v: Value = serde_json::from_str(json.trim()).context("parsing llama-bench JSON")?;
-    let arr = v.as_array().context("llama-bench JSON is not an array")?;
-    arr.iter()
-        .map(|o| {
-            let p = o["n_prompt"].as_u64().context("n_prompt")?;
-            let n = o["n_gen"].as_u64().context("n_gen")?;
-            let name = match (p, n) {
-                (p, 0) => format!("pp{p}"),
-                (0, n) => format!("tg{n}"),
-                (p, n) => format!("pp{p}+tg{n}"),
-            };
-            Ok((name, num(o, "avg_ts")?, num(o, "stddev_ts")?))
-        })
-        .collect()
 }
 
 /// The JSON objects among `text`'s lines (llama-batched-bench mixes its

@@ -373,7 +373,7 @@ pub fn smoke_test(llama: &LlamaCpp) -> anyhow::Result<()> {
             tail.into_iter().rev().collect::<Vec<_>>().join(" / ")
         );
     }
-    let results = crate::bench_peers::single_results(&String::from_utf8_lossy(&out.stdout))?;
+    let results = single_results(&String::from_utf8_lossy(&out.stdout))?;
     let ok = |want: &str| results.iter().any(|(t, avg, _)| t == want && *avg > 0.0);
     if !(ok("pp16") && ok("tg16")) {
         bail!("llama-bench -p 16 -n 16 on {name} reported {results:?}, not pp16 and tg16 results");
@@ -434,6 +434,32 @@ fn download_sdist(cache: &Path) -> anyhow::Result<PathBuf> {
             dl.display()
         )
     })
+}
+
+/// `(test name, avg_ts, stddev_ts)` of each object of a llama-bench JSON
+/// array (test names as llama-bench's markdown: `pp128`, `tg64`).
+pub fn single_results(json: &str) -> anyhow::Result<Vec<(String, f64, f64)>> {
+    let v: serde_json::Value =
+        serde_json::from_str(json.trim()).context("parsing llama-bench JSON")?;
+    let arr = v.as_array().context("llama-bench JSON is not an array")?;
+    arr.iter()
+        .map(|o| {
+            let p = o["n_prompt"].as_u64().context("n_prompt")?;
+            let n = o["n_gen"].as_u64().context("n_gen")?;
+            let name = match (p, n) {
+                (p, 0) => format!("pp{p}"),
+                (0, n) => format!("tg{n}"),
+                (p, n) => format!("pp{p}+tg{n}"),
+            };
+            Ok((name, json_f64(o, "avg_ts")?, json_f64(o, "stddev_ts")?))
+        })
+        .collect()
+}
+
+fn json_f64(o: &serde_json::Value, field: &str) -> anyhow::Result<f64> {
+    o[field]
+        .as_f64()
+        .with_context(|| format!("field `{field}` missing or not a number"))
 }
 
 /// Installs cmake with apt-get when it is not on the PATH.
