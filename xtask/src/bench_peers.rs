@@ -132,6 +132,14 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             flops: 2.0 * (cost.layer_macs + cost.output_macs) as f64,
             gflops: peak,
         };
+        // On stderr at once too: a run stopped before the end keeps them.
+        eprintln!(
+            "bench: {name}: {:.1} MB of weights per token, {:.3} / {:.3} GFLOP per prompt / \
+             generated token, read {read_gbps:.1} GB/s, FMA peak {peak:.1} GFLOP/s",
+            cost.bytes as f64 / 1e6,
+            2.0 * cost.layer_macs as f64 / 1e9,
+            2.0 * (cost.layer_macs + cost.output_macs) as f64 / 1e9,
+        );
         limit_rows.push(format!(
             "| {name} | {:.1} MB | {:.3} / {:.3} | {read_gbps:.1} | {peak:.1} |",
             cost.bytes as f64 / 1e6,
