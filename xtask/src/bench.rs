@@ -53,7 +53,11 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         for row in crate::bench_matmul::prefill_rows()? {
             println!("{row}");
         }
-        println!();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        println!(
+            "\nf32 FMA peak, {threads} threads: {:.1} GFLOP/s\n",
+            crate::bench_limits::fma_peak(threads)
+        );
     }
     if wanted("attention") {
         println!("## CPU attention\n");

@@ -12,7 +12,6 @@
 //! f32, then `matrixmultiply::sgemm`.
 
 use crate::best_of;
-use rayon::prelude::*;
 use te_formats::{WeightBytes, WeightData};
 use te_kernels::quant::{dequantize, GgmlType};
 use te_models::ops::Linear;
@@ -52,27 +51,6 @@ fn weights(ty: GgmlType, f16_at: &[usize], n: usize, k: usize) -> Vec<u8> {
         }
     }
     data
-}
-
-/// Read bandwidth (GB/s) of a parallel sum over `x`.
-fn read_bandwidth(x: &[f32]) -> f64 {
-    let mut sink = 0f32;
-    let t = best_of(3, || {
-        sink += x
-            .par_chunks(1 << 16)
-            .map(|c| {
-                let mut acc = [0f32; 16];
-                for ch in c.chunks_exact(16) {
-                    for (a, v) in acc.iter_mut().zip(ch) {
-                        *a += v;
-                    }
-                }
-                acc.iter().sum::<f32>()
-            })
-            .sum::<f32>();
-    });
-    std::hint::black_box(sink);
-    std::mem::size_of_val(x) as f64 / t / 1e9
 }
 
 /// Markdown rows of the decode (bandwidth) table, header included: each
@@ -124,7 +102,7 @@ fn decode_row(
     let mut scratch = Vec::new();
     let secs = best_of(5, || lin.forward_into(&x, 1, &mut y, &mut scratch));
     let gbps = size as f64 / secs / 1e9;
-    let read = read_bandwidth(&vec![1.0f32; size / 4]);
+    let read = crate::bench_limits::read_bandwidth(&vec![1.0f32; size / 4]);
     Ok(format!(
         "| {label} | [{n}, {k}] | {:.1} MB | 1 | {:.2} | {gbps:.1} | {read:.1} | {:.0}% |",
         size as f64 / 1e6,

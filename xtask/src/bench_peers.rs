@@ -8,9 +8,19 @@
 //! -npp 128 -ntg 128 -npl 1,8,32 --output-format jsonl` and `te bench
 //! --batched` with the same; then once the peak resident memory
 //! (`/usr/bin/time -f %M`) of a short greedy completion,
-//! `llama-completion` against `te generate`, same file, same context.
+//! `llama-completion` against `te generate`, same file, same context; then
+//! the time to first token of a 5-token prompt, as the wall time from
+//! start to exit of a one-token completion (model load included), median
+//! of [`TTFT_RUNS`] runs each, alternating. Before each model's runs it
+//! measures the machine's limits ([`crate::bench_limits`]): read bandwidth
+//! over as many bytes as a generated token reads, and the f32 FMA peak;
+//! each throughput row states the share of its limit both engines reach
+//! (tg: weight bytes per second over the read bandwidth; pp and batched tg
+//! with more than one sequence: FLOP per second over the FMA peak, 2 per
+//! multiply-add of the matrices' weights, attention not counted).
 //! Prints one markdown table with every figure and its ratio (te-rs /
-//! llama.cpp), for docs/benchmarks.md: with one round llama-bench's `avg ±
+//! llama.cpp) and a table of the limits, for docs/benchmarks.md; the
+//! header names llama.cpp's build flags ([`crate::peers::LlamaCpp::flags`]): with one round llama-bench's `avg ±
 //! stddev`, with more each engine's median over the rounds and its range,
 //! and the ratio of the medians. The rounds interleave the two engines
 //! over the run's minutes: on a shared machine the others' load comes and
@@ -25,6 +35,8 @@ use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context};
 use serde_json::Value;
+
+use crate::bench_limits::TokenCost;
 
 /// The models compared by default.
 const MODELS: [&str; 3] = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-1.5b"];
@@ -80,9 +92,10 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     let t = threads.to_string();
     println!("## te-rs and llama.cpp, same run\n");
     println!(
-        "llama.cpp {} (llama-cpp-python {}), {threads} threads, both engines on the same GGUF file, {}.\n",
+        "llama.cpp {} (llama-cpp-python {}, built with {}), {threads} threads, both engines on the same GGUF file, {}.\n",
         crate::peers::LLAMA_CPP_COMMIT,
         crate::peers::LLAMA_CPP_PYTHON,
+        llama.flags,
         if rounds == 1 {
             "one round: llama-bench's avg ± stddev".to_string()
         } else {
@@ -93,12 +106,46 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     // spin at their barriers and suffer more than rayon's when other work
     // takes the cores.
     eprintln!("bench: load average at start: {}", load_average());
-    println!("| model | test | llama.cpp | te-rs | te-rs / llama.cpp |\n|---|---|---|---|---|");
+    println!(
+        "| model | test | llama.cpp | te-rs | te-rs / llama.cpp | llama.cpp of limit | te-rs of limit |\n\
+         |---|---|---|---|---|---|---|"
+    );
+    let mut limit_rows = Vec::new();
     for (i, name) in names.iter().enumerate() {
         let source = te_models::source::resolve_model(name)?;
         let te_models::source::ModelSource::Gguf(file) = source else {
             bail!("{name} did not resolve to a GGUF file");
         };
+        // The machine's limits, measured now, and what a token costs.
+        let cost = TokenCost::of_gguf(&file)?;
+        let read_gbps = crate::bench_limits::read_bandwidth_over(cost.bytes as usize, threads)?;
+        let peak = crate::bench_limits::fma_peak(threads);
+        let read = Limit::Read {
+            bytes: cost.bytes as f64,
+            gbps: read_gbps,
+        };
+        let prompt = Limit::Fma {
+            flops: 2.0 * cost.layer_macs as f64,
+            gflops: peak,
+        };
+        let generated = Limit::Fma {
+            flops: 2.0 * (cost.layer_macs + cost.output_macs) as f64,
+            gflops: peak,
+        };
+        // On stderr at once too: a run stopped before the end keeps them.
+        eprintln!(
+            "bench: {name}: {:.1} MB of weights per token, {:.3} / {:.3} GFLOP per prompt / \
+             generated token, read {read_gbps:.1} GB/s, FMA peak {peak:.1} GFLOP/s",
+            cost.bytes as f64 / 1e6,
+            2.0 * cost.layer_macs as f64 / 1e9,
+            2.0 * (cost.layer_macs + cost.output_macs) as f64 / 1e9,
+        );
+        limit_rows.push(format!(
+            "| {name} | {:.1} MB | {:.3} / {:.3} | {read_gbps:.1} | {peak:.1} |",
+            cost.bytes as f64 / 1e6,
+            2.0 * cost.layer_macs as f64 / 1e9,
+            2.0 * (cost.layer_macs + cost.output_macs) as f64 / 1e9,
+        ));
         let file = file.display().to_string();
         let te_first = i % 2 == 1;
         let mut rows = Vec::new();
@@ -108,13 +155,13 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             "-m", &file, "-t", &t, "-p", N_PROMPT, "-n", N_GEN, "-r", REPS, "-o", "json",
         ];
         let run_llama = || -> anyhow::Result<Vec<(String, f64, f64)>> {
-            single_results(&capture(
+            crate::peers::single_results(&capture(
                 Command::new(llama.tool("llama-bench")).args(bench_args),
                 "llama-bench",
             )?)
         };
         let run_te = || -> anyhow::Result<Vec<(String, f64, f64)>> {
-            single_results(&capture(
+            crate::peers::single_results(&capture(
                 Command::new(&te).arg("bench").args(bench_args),
                 "te bench",
             )?)
@@ -143,9 +190,17 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             };
             let (lf, l_text) = figure(&l, "llama-bench")?;
             let (tf, t_text) = figure(&r, "te bench")?;
+            // llama-bench's prompt tests compute the last token's logits only.
+            let limit = if test.starts_with("pp") {
+                &prompt
+            } else {
+                &read
+            };
             rows.push(format!(
-                "| {name} | {test} t/s | {l_text} | {t_text} | {:.2}x |",
-                tf.median / lf.median
+                "| {name} | {test} t/s | {l_text} | {t_text} | {:.2}x | {} | {} |",
+                tf.median / lf.median,
+                limit.share(lf.median),
+                limit.share(tf.median)
             ));
         }
 
@@ -197,18 +252,25 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             let (l_pp, l_tg) = find(&l, "llama-batched-bench")?;
             let (t_pp, t_tg) = find(&r, "te bench --batched")?;
             te_tg.push(t_tg.median);
+            // One sequence's decode reads every weight per token; more
+            // sequences share each read, and the products bound them.
+            let tg_limit = if pl == 1 { &read } else { &generated };
             rows.push(format!(
-                "| {name} | batched pp {NPP} pl {pl}: speed_pp t/s | {l_pp} | {t_pp} | {:.2}x |",
-                t_pp.median / l_pp.median
+                "| {name} | batched pp {NPP} pl {pl}: speed_pp t/s | {l_pp} | {t_pp} | {:.2}x | {} | {} |",
+                t_pp.median / l_pp.median,
+                prompt.share(l_pp.median),
+                prompt.share(t_pp.median)
             ));
             rows.push(format!(
-                "| {name} | batched tg {NTG} pl {pl}: speed_tg t/s | {l_tg} | {t_tg} | {:.2}x |",
-                t_tg.median / l_tg.median
+                "| {name} | batched tg {NTG} pl {pl}: speed_tg t/s | {l_tg} | {t_tg} | {:.2}x | {} | {} |",
+                t_tg.median / l_tg.median,
+                tg_limit.share(l_tg.median),
+                tg_limit.share(t_tg.median)
             ));
         }
         if let (Some(first), Some(last)) = (te_tg.first(), te_tg.last()) {
             rows.push(format!(
-                "| {name} | te-rs speed_tg pl {max_pl} / pl {} | | {:.2}x | |",
+                "| {name} | te-rs speed_tg pl {max_pl} / pl {} | | {:.2}x | | | |",
                 NPL[0],
                 last / first
             ));
@@ -239,14 +301,51 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         };
         let (l, r) = alternate(te_first, run_llama, run_te)?;
         rows.push(format!(
-            "| {name} | peak RSS, {MEM_NEW_TOKENS}-token completion, ctx {MEM_CTX} | {:.0} MiB | {:.0} MiB | {:.2}x |",
+            "| {name} | peak RSS, {MEM_NEW_TOKENS}-token completion, ctx {MEM_CTX} | {:.0} MiB | {:.0} MiB | {:.2}x | | |",
             l as f64 / 1024.0,
             r as f64 / 1024.0,
             r as f64 / l as f64
         ));
+
+        // Time to first token: start to exit of a one-token completion.
+        let run_llama = || -> anyhow::Result<f64> {
+            let mut cmd = Command::new(llama.tool("llama-completion"));
+            cmd.args(["-m", &file, "-t", &t, "-c", &c, "-n", "1", "-p", MEM_PROMPT])
+                .args(["--temp", "0", "-no-cnv"]);
+            wall_seconds(&mut cmd, "llama-completion -n 1")
+        };
+        let run_te = || -> anyhow::Result<f64> {
+            let mut cmd = Command::new(&te);
+            cmd.args(["generate", "--model", &file, "-t", &t])
+                .args(["--kv-cache-tokens", &c, "--max-new-tokens", "1"])
+                .args(["--prompt", MEM_PROMPT]);
+            wall_seconds(&mut cmd, "te generate --max-new-tokens 1")
+        };
+        let (l, r) = interleave(TTFT_RUNS, te_first, run_llama, run_te)?;
+        let (l, r) = (Figure::new(&l), Figure::new(&r));
+        rows.push(format!(
+            "| {name} | time to first token, 5-token prompt, s (start to exit, {TTFT_RUNS} runs) | {l:.2} | {r:.2} | {:.2}x | | |",
+            r.median / l.median
+        ));
         for row in rows {
             println!("{row}");
         }
+    }
+    println!(
+        "\nThe limits, measured before each model's runs: read bandwidth of a parallel sum over \
+         as many bytes as a generated token reads (every weight tensor, the token embedding only \
+         when it is the output projection), and the f32 FMA peak ({threads} threads of independent \
+         FMA chains). A tg row's share is weight bytes per second over the read bandwidth; a pp \
+         row's and a batched tg row's (more than one sequence) are multiply-adds per second \
+         (2 FLOP each: the matrices' weights per token, the output projection for generated \
+         tokens only, attention not counted) over the FMA peak.\n"
+    );
+    println!(
+        "| model | weights read per token | GFLOP per prompt / generated token | read GB/s | FMA peak GFLOP/s |\n\
+         |---|---|---|---|---|"
+    );
+    for row in limit_rows {
+        println!("{row}");
     }
     println!(
         "\nLoad average (1, 5, 15 min) at the end: {}.",
@@ -264,6 +363,40 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         NPL.map(|n| n.to_string()).join(","),
     );
     Ok(())
+}
+
+/// Runs of the time-to-first-token measurement per engine.
+const TTFT_RUNS: usize = 3;
+
+/// A limit of the machine and what a token costs against it.
+enum Limit {
+    /// `bytes` of weights read per token, at `gbps` GB/s.
+    Read { bytes: f64, gbps: f64 },
+    /// `flops` per token, at a peak of `gflops` GFLOP/s.
+    Fma { flops: f64, gflops: f64 },
+}
+
+impl Limit {
+    /// The share of the limit `tokens_per_s` reaches: `61% of read`,
+    /// `78% of FMA`.
+    fn share(&self, tokens_per_s: f64) -> String {
+        match *self {
+            Limit::Read { bytes, gbps } => {
+                format!("{:.0}% of read", 100.0 * tokens_per_s * bytes / 1e9 / gbps)
+            }
+            Limit::Fma { flops, gflops } => {
+                format!("{:.0}% of FMA", 100.0 * tokens_per_s * flops / 1e9 / gflops)
+            }
+        }
+    }
+}
+
+/// Wall seconds of `cmd` run to its end (its output discarded); an error
+/// with the end of its stderr when it fails.
+fn wall_seconds(cmd: &mut Command, what: &str) -> anyhow::Result<f64> {
+    let start = std::time::Instant::now();
+    capture(cmd, what)?;
+    Ok(start.elapsed().as_secs_f64())
 }
 
 /// The positive integer after flag `flag`; an error naming the flag and
@@ -342,12 +475,14 @@ impl Figure {
 }
 
 impl std::fmt::Display for Figure {
-    /// `median` alone for one value, else `median (min-max)`.
+    /// `median` alone for one value, else `median (min-max)`, with the
+    /// format's precision (1 decimal by default).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let p = f.precision().unwrap_or(1);
         if self.min == self.max {
-            write!(f, "{:.1}", self.median)
+            write!(f, "{:.p$}", self.median)
         } else {
-            write!(f, "{:.1} ({:.1}-{:.1})", self.median, self.min, self.max)
+            write!(f, "{:.p$} ({:.p$}-{:.p$})", self.median, self.min, self.max)
         }
     }
 }
@@ -369,25 +504,6 @@ fn capture(cmd: &mut Command, what: &str) -> anyhow::Result<String> {
         );
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-/// `(test name, avg_ts, stddev_ts)` of each object of a llama-bench JSON
-/// array (test names as llama-bench's markdown: `pp128`, `tg64`).
-fn single_results(json: &str) -> anyhow::Result<Vec<(String, f64, f64)>> {
-    let v: Value = serde_json::from_str(json.trim()).context("parsing llama-bench JSON")?;
-    let arr = v.as_array().context("llama-bench JSON is not an array")?;
-    arr.iter()
-        .map(|o| {
-            let p = o["n_prompt"].as_u64().context("n_prompt")?;
-            let n = o["n_gen"].as_u64().context("n_gen")?;
-            let name = match (p, n) {
-                (p, 0) => format!("pp{p}"),
-                (0, n) => format!("tg{n}"),
-                (p, n) => format!("pp{p}+tg{n}"),
-            };
-            Ok((name, num(o, "avg_ts")?, num(o, "stddev_ts")?))
-        })
-        .collect()
 }
 
 /// The JSON objects among `text`'s lines (llama-batched-bench mixes its
@@ -441,6 +557,10 @@ mod tests {
         let f = Figure::new(&[4.0, 1.0, 2.0, 10.0]);
         assert_eq!((f.median, f.min, f.max), (3.0, 1.0, 10.0));
         assert_eq!(Figure::new(&[5.25]).to_string(), "5.2");
+        assert_eq!(
+            format!("{:.2}", Figure::new(&[1.0, 2.5])),
+            "1.75 (1.00-2.50)"
+        );
     }
 
     /// Rounds alternate which engine goes first, starting as asked.

@@ -6,6 +6,7 @@ mod bench_attention;
 mod bench_context_parallel;
 mod bench_engine;
 mod bench_kernels;
+mod bench_limits;
 mod bench_matmul;
 mod bench_models;
 mod bench_peers;

@@ -59,7 +59,10 @@ pub struct LoadedParts {
 }
 
 /// Loads config, tokenizer and weights (dequantized to f32 where not kept
-/// quantized), after [`crate::validate::problems`] found nothing wrong.
+/// quantized), after [`crate::validate::problems`] found nothing wrong. A
+/// GGUF file's tokenizer is built beside its weights, on a second thread,
+/// and checked ([`crate::validate::tokenizer_problems`]) once both are
+/// there.
 ///
 /// Errors: everything the GGUF, safetensors, config and tokenizer readers
 /// report, each naming the file, tensor or field; [`ModelError::Invalid`]
@@ -69,21 +72,26 @@ pub fn load_parts(source: &ModelSource) -> Result<LoadedParts> {
         ModelSource::Gguf(path) => {
             let file = GgufFile::open(path)?;
             let config = config_from_gguf(&file)?;
-            let tokenizer = Tokenizer::from_gguf(&file)?;
-            let problems = validate::problems(
-                &config,
-                NameScheme::Gguf,
-                &file,
-                Some(&file),
-                Some(&tokenizer),
-            );
-            validate::to_result(path, problems)?;
-            // GGUF Gemma norms already hold 1 + w.
-            let weights = ModelWeights::load(&file, NameScheme::Gguf, &config, 0.0)?;
-            Ok(LoadedParts {
-                config,
-                tokenizer,
-                weights,
+            // The tokenizer is built on a second thread while the weights
+            // load: a 262k-piece SentencePiece vocabulary (Gemma 3) takes
+            // about as long as its weights, and the first token waits for
+            // both. Its own problems are reported once it is built.
+            std::thread::scope(|s| {
+                let tokenizer = s.spawn(|| Tokenizer::from_gguf(&file));
+                let problems =
+                    validate::problems(&config, NameScheme::Gguf, &file, Some(&file), None);
+                validate::to_result(path, problems)?;
+                // GGUF Gemma norms already hold 1 + w.
+                let weights = ModelWeights::load(&file, NameScheme::Gguf, &config, 0.0)?;
+                let tokenizer = tokenizer
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
+                validate::to_result(path, validate::tokenizer_problems(&tokenizer, &config))?;
+                Ok(LoadedParts {
+                    config,
+                    tokenizer,
+                    weights,
+                })
             })
         }
         ModelSource::HfDir(dir) => {

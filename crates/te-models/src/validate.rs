@@ -1,6 +1,7 @@
 //! Model validation in one place: a resolved config against the tensors
 //! of its file(s), the metadata that repeats what the tensors say, and the
-//! tokenizer's ids, before any weight is read.
+//! tokenizer's ids, before any weight is read (a GGUF file's tokenizer, built
+//! beside its weights, is checked once both are there).
 //!
 //! What is checked ([`problems`]):
 //! - every tensor the architecture needs is present, with the shape the
