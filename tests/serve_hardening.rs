@@ -859,3 +859,54 @@ fn a_body_declared_over_the_limit_is_refused_at_once() {
     let v: serde_json::Value = serde_json::from_str(&body).expect("a JSON error");
     assert_eq!(v["error"]["code"], "request_too_large", "{body}");
 }
+
+#[test]
+fn idle_and_half_open_sockets_from_many_addresses_do_not_lock_out_a_new_client() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // Timeouts far longer than the test: the new client must not wait for
+    // them. Each address stays under --max-connections-per-client (64).
+    let server = Server::start(
+        MODEL,
+        &[
+            "--header-read-timeout-secs",
+            "60",
+            "--max-connections",
+            "256",
+        ],
+    );
+    let to = server.addr;
+    // 300 idle connections and 256 that never finish their headers, from
+    // twelve addresses: more than --max-connections in all.
+    let mut attackers = Vec::new();
+    for i in 0..556 {
+        let from = format!("127.0.1.{}", 10 + i % 12);
+        let mut s = connect_from(&from, to);
+        if i % 2 == 1 && i < 512 {
+            let _ = s.write_all(b"GET /health HTTP/1.1\r\nHost: localhost\r\n");
+        }
+        attackers.push(s);
+    }
+    let start = Instant::now();
+    let (status, body) = server.request_from("127.0.0.2", "GET", "/health", "", None);
+    assert_eq!((status, body.as_str()), (200, r#"{"status":"ok"}"#));
+    let (status, body) = server.request_from(
+        "127.0.0.2",
+        "POST",
+        "/v1/completions",
+        "Content-Type: application/json\r\n",
+        Some(&completion("The capital of France is", 4)),
+    );
+    assert_eq!(status, 200, "{body}");
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "the new client waited {took:?}"
+    );
+    // The oldest idle attackers were closed for the newcomers.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let closed = attackers.iter().filter(|s| closed_by(s, deadline)).count();
+    assert!(
+        closed >= 556 - 256,
+        "only {closed} attacker connections closed"
+    );
+}

@@ -198,7 +198,7 @@ impl Failure {
 pub(crate) const MAX_REASON: usize = 1024;
 
 /// The largest abort marker payload a rank accepts: the origin (8 bytes)
-/// and a reason of [`MAX_REASON`] bytes, each of whose characters may
+/// and a reason of 1024 bytes (the longest kept), each of whose characters may
 /// have become a 3-byte U+FFFD when cleaned by a rank that forwards it.
 pub const MAX_MARKER_BYTES: usize = 8 + 3 * MAX_REASON;
 

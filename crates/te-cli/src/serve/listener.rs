@@ -2,9 +2,13 @@
 //! driver (hyper), with the limits that keep slow, idle and half-open
 //! clients from holding the server:
 //!
-//! - at most `max_connections` open (more wait in the kernel's backlog)
-//!   and at most `max_per_client` from one IP address (more are closed at
-//!   once);
+//! - at most `max_connections` open and at most `max_per_client` from one
+//!   IP address (more are closed at once); when all `max_connections` are
+//!   open and another arrives, the oldest idle connection (no request in
+//!   flight: it waits for a request head, or sends one slowly) is closed
+//!   for it, so idle and half-open sockets from many addresses cannot lock
+//!   a new client out; with every connection busy, it waits for one to
+//!   end;
 //! - a connection must deliver a whole request head within
 //!   `header_read_timeout` of being ready for one: after it opens, and
 //!   after each response, so this is the idle keep-alive timeout too
@@ -23,22 +27,25 @@
 //! streamed tokens), so its writes would stall, and the write timeout
 //! start, only that much later.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
+use axum::body::{Body, Bytes};
 use axum::Router;
+use http_body::{Frame, SizeHint};
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Sleep;
 
 use super::metrics::Metrics;
@@ -80,12 +87,13 @@ pub async fn serve(
 ) {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let clients = Arc::new(Mutex::new(HashMap::new()));
+    let open = Arc::new(OpenConnections::default());
     // Each connection holds a receiver; `closed()` waits for them all.
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::pin!(shutdown);
     loop {
         let accepted = tokio::select! {
-            a = accept(&tcp, &slots) => a,
+            a = accept(&tcp, &slots, &open) => a,
             () = &mut shutdown => break,
         };
         let (stream, addr, slot) = accepted;
@@ -102,12 +110,29 @@ pub async fn serve(
             _slot: slot,
             _per_client: per_client,
         };
+        let tracked = open.insert();
+        let service = {
+            let inner = TowerToHyperService::new(router.clone());
+            let activity = tracked.activity.clone();
+            hyper::service::service_fn(move |req| {
+                let busy = Busy::enter(&activity);
+                let response = hyper::service::Service::call(&inner, req);
+                async move {
+                    let response = response.await?;
+                    Ok::<_, std::convert::Infallible>(
+                        response.map(|inner| Tracked { inner, _busy: busy }),
+                    )
+                }
+            })
+        };
         let conn = http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(limits.header_read_timeout)
-            .serve_connection(TokioIo::new(io), TowerToHyperService::new(router.clone()));
+            .serve_connection(TokioIo::new(io), service);
         let mut stop = stop_rx.clone();
         tokio::spawn(async move {
+            let evict = tracked.activity.clone();
+            let _tracked = tracked;
             tokio::pin!(conn);
             let mut stopping = *stop.borrow();
             if stopping {
@@ -118,6 +143,12 @@ pub async fn serve(
                     _ = conn.as_mut() => break,
                     // Dropping `conn` drops the request in flight.
                     () = peer_closed(&stream) => break,
+                    // Closed for a new connection while idle.
+                    () = evict.evicted.notified() => {
+                        if evict.busy.load(Ordering::Acquire) == 0 {
+                            break;
+                        }
+                    }
                     r = stop.changed(), if !stopping => {
                         stopping = true;
                         if r.is_ok() {
@@ -134,22 +165,44 @@ pub async fn serve(
     stop_tx.closed().await;
 }
 
-/// The next connection, once a slot is free.
+/// How often a new connection waiting for a slot, with every open one
+/// busy, looks again for an idle one to close.
+const EVICT_RETRY: Duration = Duration::from_millis(50);
+
+/// The next connection and its slot: a free one, or the slot of the
+/// oldest idle connection, closed for it; with none idle, the first slot
+/// to free.
 async fn accept(
     tcp: &TcpListener,
     slots: &Arc<Semaphore>,
+    open: &OpenConnections,
 ) -> (TcpStream, SocketAddr, OwnedSemaphorePermit) {
-    let slot = slots
-        .clone()
-        .acquire_owned()
-        .await
-        .expect("the semaphore is never closed");
+    let (stream, addr) = accept_stream(tcp).await;
+    if let Ok(slot) = slots.clone().try_acquire_owned() {
+        return (stream, addr, slot);
+    }
+    loop {
+        let evicted = open.evict_oldest_idle();
+        if evicted {
+            tracing::debug!(%addr, "--max-connections reached: the oldest idle connection closed");
+        }
+        tokio::select! {
+            slot = slots.clone().acquire_owned() => {
+                return (stream, addr, slot.expect("the semaphore is never closed"));
+            }
+            () = tokio::time::sleep(EVICT_RETRY) => {}
+        }
+    }
+}
+
+/// The next accepted TCP stream, set up for streaming.
+async fn accept_stream(tcp: &TcpListener) -> (TcpStream, SocketAddr) {
     loop {
         match tcp.accept().await {
             Ok((stream, addr)) => {
                 let _ = stream.set_nodelay(true);
                 let _ = socket2::SockRef::from(&stream).set_send_buffer_size(SEND_BUFFER);
-                return (stream, addr, slot);
+                return (stream, addr);
             }
             Err(e) => {
                 // A peer that gave up before we accepted is no error;
@@ -177,6 +230,114 @@ async fn peer_closed(stream: &TcpStream) {
             _ => return,
         }
         tokio::time::sleep(PEER_CHECK).await;
+    }
+}
+
+/// One connection's requests in flight (a request head read, its response
+/// body not yet all sent), and its signal to close when idle.
+#[derive(Default)]
+struct Activity {
+    busy: AtomicUsize,
+    evicted: Notify,
+}
+
+/// A request in flight on a connection; it ends when dropped (with the
+/// response body).
+struct Busy(Arc<Activity>);
+
+impl Busy {
+    fn enter(activity: &Arc<Activity>) -> Busy {
+        activity.busy.fetch_add(1, Ordering::AcqRel);
+        Busy(activity.clone())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.busy.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A response body that keeps its request counted as in flight until the
+/// body is sent (or dropped); frames and size hints pass through.
+struct Tracked {
+    inner: Body,
+    _busy: Busy,
+}
+
+impl http_body::Body for Tracked {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// The open connections by age (accept order), for closing the oldest
+/// idle one when all slots are taken.
+#[derive(Default)]
+struct OpenConnections {
+    by_age: Mutex<BTreeMap<u64, Arc<Activity>>>,
+    next: AtomicUsize,
+}
+
+impl OpenConnections {
+    /// Registers a new connection; it leaves the registry when the
+    /// returned entry drops.
+    fn insert(self: &Arc<Self>) -> OpenEntry {
+        let id = self.next.fetch_add(1, Ordering::Relaxed) as u64;
+        let activity = Arc::new(Activity::default());
+        self.lock().insert(id, activity.clone());
+        OpenEntry {
+            open: self.clone(),
+            id,
+            activity,
+        }
+    }
+
+    /// Signals the oldest connection with no request in flight to close;
+    /// false when every one is busy.
+    fn evict_oldest_idle(&self) -> bool {
+        let mut by_age = self.lock();
+        let Some(id) = by_age
+            .iter()
+            .find(|(_, a)| a.busy.load(Ordering::Acquire) == 0)
+            .map(|(id, _)| *id)
+        else {
+            return false;
+        };
+        let activity = by_age.remove(&id).expect("found above");
+        activity.evicted.notify_one();
+        true
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Arc<Activity>>> {
+        self.by_age.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A connection's place in [`OpenConnections`].
+struct OpenEntry {
+    open: Arc<OpenConnections>,
+    id: u64,
+    activity: Arc<Activity>,
+}
+
+impl Drop for OpenEntry {
+    fn drop(&mut self) {
+        self.open.lock().remove(&self.id);
     }
 }
 
