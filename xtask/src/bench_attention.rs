@@ -49,28 +49,6 @@ fn gemm_gflops(flops: f64) -> f64 {
     2.0 * (n * n * n) as f64 / t / 1e9
 }
 
-/// Read bandwidth (GB/s) of a parallel sum over `x`.
-fn read_bandwidth(x: &[f32]) -> f64 {
-    use rayon::prelude::*;
-    let mut sink = 0f32;
-    let t = best_of(3, || {
-        sink += x
-            .par_chunks(1 << 16)
-            .map(|c| {
-                let mut acc = [0f32; 16];
-                for ch in c.chunks_exact(16) {
-                    for (a, v) in acc.iter_mut().zip(ch) {
-                        *a += v;
-                    }
-                }
-                acc.iter().sum::<f32>()
-            })
-            .sum::<f32>();
-    });
-    std::hint::black_box(sink);
-    std::mem::size_of_val(x) as f64 / t / 1e9
-}
-
 fn prefill() -> anyhow::Result<String> {
     let (s, h, d) = (2048usize, 32usize, 128usize);
     let attn = DotProductAttention::new(h, d)
@@ -150,7 +128,7 @@ fn decode() -> anyhow::Result<String> {
     result?;
     let bytes = std::mem::size_of_val(&k_cache[..]) + std::mem::size_of_val(&v_cache[..]);
     let rate = bytes as f64 / t / 1e9;
-    let bandwidth = read_bandwidth(&k_cache);
+    let bandwidth = crate::bench_limits::read_bandwidth(&k_cache);
     Ok(format!(
         "| decode {b} seqs x 1 query, {skv} cached keys, h {hq}/{hkv}, d {d}, page {page_size}, f32 | {:.1} | {rate:.1} GB/s of KV | read bandwidth {bandwidth:.1} GB/s | {:.0}% | 50% |",
         t * 1e3,
