@@ -32,7 +32,7 @@ use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
@@ -290,14 +290,14 @@ impl http_body::Body for Tracked {
 #[derive(Default)]
 struct OpenConnections {
     by_age: Mutex<BTreeMap<u64, Arc<Activity>>>,
-    next: AtomicUsize,
+    next: AtomicU64,
 }
 
 impl OpenConnections {
     /// Registers a new connection; it leaves the registry when the
     /// returned entry drops.
     fn insert(self: &Arc<Self>) -> OpenEntry {
-        let id = self.next.fetch_add(1, Ordering::Relaxed) as u64;
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
         let activity = Arc::new(Activity::default());
         self.lock().insert(id, activity.clone());
         OpenEntry {
