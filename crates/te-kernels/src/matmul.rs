@@ -29,12 +29,13 @@
 //! output columns and writes them in place). With AVX-512 and at most 6
 //! token rows, quantized weights are decoded in registers 32 at a time
 //! and multiplied into a 4 weight rows x t token rows tile at once
-//! (decode). Otherwise each task decodes panels of up to 256 KiB of f32
-//! weights (f32 weights are read in place) and runs every register tile
-//! of `x` against the panel, so each weight block is decoded once per
-//! step whatever `t` is (a panel's rows are 64 bytes further apart when
-//! `k` is a multiple of 1024, so that the tile's rows do not share L1
-//! sets; with AVX-512 the bytes of the task's next panel are prefetched
+//! (decode). Otherwise each task decodes panels of 256 KiB of f32
+//! weights (at least 32 rows for long rows; f32 weights are read in
+//! place) and runs every register tile of `x` against the panel, so each
+//! weight block is decoded once per step whatever `t` is (panel rows start
+//! on cache lines, and are one line further apart when `k` is a multiple
+//! of 1024, so that the tile's rows do not share L1 sets; with AVX-512
+//! the bytes of the task's next panel are prefetched
 //! while the last block of token rows is multiplied): AVX-512 tiles of 4 x 6 (24 of its 32 registers),
 //! walking `k` in 2048-column blocks with the accumulators saved between
 //! blocks (exact); AVX2 tiles of 4 x 3, one 8-lane half of the 16 lanes
@@ -47,8 +48,10 @@
 //! model's weights are read from the file map in 4 KiB pages, where the
 //! hardware prefetcher alone leaves the short rows (Gemma 3's 640
 //! columns) waiting on memory.
-//! Scratch (panels, saved accumulators) comes from the caller's reused
-//! buffer.
+//! The rows of `x` are read from cache-line boundaries: an `x` that does
+//! not start on one (with `k` a multiple of 16) is copied first.
+//! Scratch (the copy, panels, saved accumulators) comes from the caller's
+//! reused buffer.
 
 use rayon::prelude::*;
 
@@ -125,20 +128,42 @@ impl Isa {
 /// Bytes of decoded f32 weights per panel (about a quarter of a 1 MiB L2).
 const PANEL_BYTES: usize = 256 * 1024;
 
+/// Floats per 64-byte cache line. The kernels' 16-float loads of `x` rows
+/// and of decoded panels start on a line: a load that straddles two lines
+/// costs two, and the AVX-512 tile ran at 138 against 175 GFLOP/s on one
+/// core with its rows 12 bytes off the line (L1-resident, same minutes).
+const LINE: usize = 16;
+
+/// Whether every row of `x: [t, k]` starts on a cache line, or cannot be
+/// made to (`k` not a multiple of [`LINE`]), so that a copy would not help.
+fn x_aligned(x: &[f32], k: usize) -> bool {
+    (x.as_ptr() as usize).is_multiple_of(4 * LINE) || !k.is_multiple_of(LINE)
+}
+
 /// Weight rows of the register tile.
 const MR: usize = 4;
+
+/// The fewest weight rows a decoded panel holds, whatever `k`. Each panel
+/// reads all of `x` once, so rows of Qwen2.5-Coder 1.5B's down projection
+/// (`k` = 8960: 7 rows in [`PANEL_BYTES`], rounded down to 4) streamed its
+/// 128 token rows (4.6 MB, past L2) from memory for every 4 weight rows:
+/// 130 GFLOP/s at `t` = 128 against 200-213 with 32-row panels (1.1 MiB,
+/// within this processor's 2 MiB L2), same minutes.
+const MIN_PROWS: usize = 32;
 
 /// Parallel tasks per pool thread (balance on a machine shared with
 /// other work).
 const TASKS_PER_THREAD: usize = 4;
 
-/// Panel rows for row length `k`: a multiple of [`MR`], at least `MR`.
+/// Panel rows for row length `k`: a multiple of [`MR`], at least
+/// [`MIN_PROWS`].
 fn panel_rows(k: usize) -> usize {
-    (PANEL_BYTES / (4 * k.max(1)) / MR * MR).max(MR)
+    (PANEL_BYTES / (4 * k.max(1)) / MR * MR).max(MIN_PROWS)
 }
 
-/// Row stride (floats) of a decoded panel of rows of `k` weights: `k`, or
-/// `k + 16` when rows `k` floats apart would be a multiple of 4 KiB apart
+/// Row stride (floats) of a decoded panel of rows of `k` weights: `k`
+/// rounded up to whole cache lines ([`LINE`]), plus one line when rows
+/// would be a multiple of 4 KiB apart
 /// (`k` a multiple of 1024). The register tile walks 4 weight rows and up
 /// to 6 rows of `x` at once; with such strides every row's column `c`
 /// falls in the same sets of a 32 KiB, 8-way L1 (4 KiB a way), and the ten
@@ -147,10 +172,11 @@ fn panel_rows(k: usize) -> usize {
 /// against 100-114 with the panel's rows 64 bytes further apart (same
 /// minutes; the FMA peak 113-117). The padding is never read.
 fn panel_stride(k: usize) -> usize {
+    let line = k.next_multiple_of(LINE);
     if k.is_multiple_of(1024) {
-        k + 16
+        line + LINE
     } else {
-        k
+        line
     }
 }
 
@@ -468,19 +494,29 @@ pub(crate) fn matmul_many_into_isa<const N: usize>(
     let quantized = products
         .iter()
         .any(|p| matches!(p.w, Weights::Quantized { .. }));
-    // (At least one float, so every task gets its chunk below.)
+    // (At least one line, so every task gets its chunk below; whole lines,
+    // so every panel and state starts 64-byte aligned.)
     let panel_len = if quantized {
         prows * panel_stride(k) + state_len
     } else {
         state_len
     }
-    .max(1);
-    // scratch: [panels: tasks * panel_len]
-    let need = tasks * panel_len;
-    if scratch.len() < need {
-        scratch.resize(need, 0.0);
+    .max(1)
+    .next_multiple_of(LINE);
+    let x_len = if x_aligned(x, k) { 0 } else { t * k };
+    // scratch: [alignment slack][x copy: x_len][panels: tasks * panel_len]
+    let need = x_len + tasks * panel_len;
+    if scratch.len() < need + LINE - 1 {
+        scratch.resize(need + LINE - 1, 0.0);
     }
-    let panels = &mut scratch[..need];
+    let skip = scratch.as_ptr().align_offset(4 * LINE);
+    let (x_copy, panels) = scratch[skip..skip + need].split_at_mut(x_len);
+    let x = if x_len == 0 {
+        x
+    } else {
+        x_copy.copy_from_slice(x);
+        &*x_copy
+    };
     // The outputs are written only through these pointers from here on.
     let ws = products.map(|p| {
         let out = Out {
@@ -1267,8 +1303,9 @@ mod tests {
         // the panels' padding) is written first.
         let tasks = (rayon::current_num_threads().max(1) * TASKS_PER_THREAD).min(n.div_ceil(MR));
         let prows = panel_rows(k).min(n.div_ceil(MR) * MR);
-        let panel = prows * panel_stride(k) + STATE_ROWS * (prows + MR) * 16 + 1;
-        let mut scratch = vec![f32::NAN; tasks * panel];
+        let panel =
+            (prows * panel_stride(k) + STATE_ROWS * (prows + MR) * 16 + 1).next_multiple_of(LINE);
+        let mut scratch = vec![f32::NAN; t * k + tasks * panel + LINE - 1];
         matmul_many_into_isa(isa, x, t, k, [Product { w, n, y: &mut y }], &mut scratch);
         y
     }
@@ -1290,7 +1327,9 @@ mod tests {
     }
 
     /// Row `p`'s outputs when `row` is row `p` of a batch of `t` (the other
-    /// rows random): `[n]` of the product's `[t, n]`.
+    /// rows random): `[n]` of the product's `[t, n]`. The batch starts a
+    /// random number of floats past its buffer's start, so its rows are
+    /// read in place when they start on a cache line, copied otherwise.
     fn row_in_batch(
         isa: Isa,
         row: &[f32],
@@ -1300,9 +1339,13 @@ mod tests {
         k: usize,
         rng: &mut StdRng,
     ) -> Vec<f32> {
-        let mut x: Vec<f32> = (0..t * k).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        let skip = rng.gen_range(0..LINE);
+        let mut buf: Vec<f32> = (0..skip + t * k)
+            .map(|_| rng.gen_range(-1.0f32..1.0))
+            .collect();
+        let x = &mut buf[skip..];
         x[p * k..(p + 1) * k].copy_from_slice(row);
-        run(isa, &x, t, w, n, k)[p * n..(p + 1) * n].to_vec()
+        run(isa, x, t, w, n, k)[p * n..(p + 1) * n].to_vec()
     }
 
     proptest! {
@@ -1386,7 +1429,8 @@ mod tests {
             (GgmlType::Q4_K, &[0, 2], 1024, 9),
             (GgmlType::Q8_0, &[0], 3072, 0),
         ] {
-            assert_eq!(panel_stride(k) != k, k % 1024 == 0);
+            let pad = if k % 1024 == 0 { LINE } else { 0 };
+            assert_eq!(panel_stride(k), k.next_multiple_of(LINE) + pad);
             // n = 0: enough rows for two panels in every task.
             let tasks = rayon::current_num_threads().max(1) * TASKS_PER_THREAD;
             let n = if n == 0 {
