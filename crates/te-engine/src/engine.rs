@@ -808,6 +808,9 @@ impl<'a> Engine<'a> {
             }
         }
         self.stats.generated_tokens += generated;
+        if prefill {
+            self.draft_catch_up(&finished_idx)?;
+        }
         let elapsed = start.elapsed().as_secs_f64();
         if prefill {
             self.stats.prefill_tokens += tokens.len();
@@ -893,6 +896,31 @@ impl<'a> Engine<'a> {
             seq.draft = drafter.propose(&seq.tokens, room, batch, &extra);
         }
         Ok(())
+    }
+
+    /// In a prefill step, the draft model (if any) is fed what it lacks of
+    /// each drafting sequence's tokens but the last (the sequences at
+    /// `finished`, indices into the running ones with their reasons, are
+    /// left out), so that a prompt's draft prefill counts as prefill and
+    /// the first decode step drafts at once.
+    ///
+    /// Errors: a failing draft model step.
+    fn draft_catch_up(&mut self, finished: &[(usize, FinishReason)]) -> Result<()> {
+        if self.sched.context_parallel().is_some() {
+            return Ok(());
+        }
+        let Some(dm) = self.draft_model.as_mut() else {
+            return Ok(());
+        };
+        let seqs: Vec<(u64, &[u32])> = self
+            .sched
+            .running()
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| s.data.drafter.is_some() && !finished.iter().any(|f| f.0 == *i))
+            .map(|(_, s)| (s.id, &s.tokens[..s.tokens.len().saturating_sub(1)]))
+            .collect();
+        dm.catch_up(&seqs)
     }
 
     /// Runs until every request is done, passing each event to `on_event`.

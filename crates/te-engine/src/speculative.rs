@@ -435,39 +435,17 @@ impl<'a> DraftModel<'a> {
             let mut tokens = Vec::new();
             for &i in &active {
                 let w = &wants[i];
-                let fed = self.fed.get(&w.id).copied().unwrap_or(0);
                 let feed: &[u32] = if round == 0 {
-                    &w.tokens[fed..(fed + self.chunk).min(w.tokens.len())]
+                    self.behind(w.id, w.tokens)
                 } else {
                     &drafts[i][drafts[i].len() - 1..]
                 };
                 steps.push((w.id, feed.len()));
                 tokens.extend_from_slice(feed);
             }
-            match self.cache.pre_step(&steps) {
-                Ok(()) => {}
-                Err(CacheError::CacheFull { .. }) => {
-                    self.clear()?;
-                    return Ok(vec![Vec::new(); wants.len()]);
-                }
-                Err(e) => return Err(e.into()),
-            }
-            let vocab = self.model.config.vocab_size;
-            let out = self
-                .runner
-                .step(self.model, &tokens, &mut self.cache, false)
-                .map_err(|source| EngineError::Step {
-                    tokens: tokens.len(),
-                    source,
-                });
             // Each sequence's greedy token.
-            let picks: Vec<u32> = match out {
-                Ok(StepOutput::Logits(l)) => l.chunks_exact(vocab).map(argmax).collect(),
-                Ok(StepOutput::Tokens(_)) => unreachable!("a CPU runner returns logits"),
-                Err(e) => {
-                    self.clear()?;
-                    return Err(e);
-                }
+            let Some(picks) = self.feed(&steps, &tokens)? else {
+                return Ok(vec![Vec::new(); wants.len()]);
             };
             let mut next = Vec::with_capacity(active.len());
             for (b, (&i, &(id, n))) in active.iter().zip(&steps).enumerate() {
@@ -485,6 +463,76 @@ impl<'a> DraftModel<'a> {
             round += 1;
         }
         Ok(drafts)
+    }
+
+    /// Feeds each sequence of `seqs` (id, tokens) up to a chunk of the
+    /// tokens its cache lacks, all in one batched step, drafting nothing: a
+    /// prompt reaches the draft cache in the steps that prefill it into the
+    /// target's (so its time counts as prefill, not decode). Callers pass
+    /// a sequence's tokens without its last one, which the first draft
+    /// round feeds to draft from.
+    ///
+    /// Errors: a failing draft forward.
+    pub(crate) fn catch_up(&mut self, seqs: &[(u64, &[u32])]) -> Result<(), EngineError> {
+        let mut steps = Vec::with_capacity(seqs.len());
+        let mut tokens = Vec::new();
+        for &(id, seq_tokens) in seqs {
+            let feed = self.behind(id, seq_tokens);
+            if !feed.is_empty() {
+                steps.push((id, feed.len()));
+                tokens.extend_from_slice(feed);
+            }
+        }
+        if steps.is_empty() || self.feed(&steps, &tokens)?.is_none() {
+            return Ok(());
+        }
+        for &(id, n) in &steps {
+            *self.fed.entry(id).or_insert(0) += n;
+        }
+        Ok(())
+    }
+
+    /// The next tokens of `tokens` that sequence `id`'s cache lacks, at
+    /// most a chunk.
+    fn behind<'t>(&self, id: u64, tokens: &'t [u32]) -> &'t [u32] {
+        let fed = self.fed.get(&id).copied().unwrap_or(0).min(tokens.len());
+        &tokens[fed..(fed + self.chunk).min(tokens.len())]
+    }
+
+    /// One draft forward of `steps` (id, tokens fed) over `tokens`: each
+    /// sequence's greedy next token, or `None` when the draft pool was
+    /// full (it is emptied; drafts resume as sequences catch up again).
+    ///
+    /// Errors: a failing draft forward (the draft cache is emptied).
+    fn feed(
+        &mut self,
+        steps: &[(u64, usize)],
+        tokens: &[u32],
+    ) -> Result<Option<Vec<u32>>, EngineError> {
+        match self.cache.pre_step(steps) {
+            Ok(()) => {}
+            Err(CacheError::CacheFull { .. }) => {
+                self.clear()?;
+                return Ok(None);
+            }
+            Err(e) => return Err(e.into()),
+        }
+        let vocab = self.model.config.vocab_size;
+        let out = self
+            .runner
+            .step(self.model, tokens, &mut self.cache, false)
+            .map_err(|source| EngineError::Step {
+                tokens: tokens.len(),
+                source,
+            });
+        match out {
+            Ok(StepOutput::Logits(l)) => Ok(Some(l.chunks_exact(vocab).map(argmax).collect())),
+            Ok(StepOutput::Tokens(_)) => unreachable!("a CPU runner returns logits"),
+            Err(e) => {
+                self.clear()?;
+                Err(e)
+            }
+        }
     }
 
     /// Sequence `id` keeps `valid` tokens (its accepted ones): the draft
