@@ -4,8 +4,8 @@
 //! function, so it repeats much of the prompt) and free chat; te's plain
 //! decode, prompt lookup (`--draft-ngram 3`, adaptive length) and the
 //! 0.5B as draft model at batch 1 and 8, beside llama.cpp's `llama-completion` (plain),
-//! `llama-speculative` (the 0.5B Instruct as draft, `--draft-max 8`) and
-//! `llama-lookup` (`--draft-max 8`) at batch 1, same prompt files, same
+//! `llama-speculative` (the 0.5B Instruct as draft, `--spec-draft-n-max 8`) and
+//! `llama-lookup` (`--spec-draft-n-max 8`) at batch 1, same prompt files, same
 //! run, greedy, `NEW_TOKENS` tokens, `--ignore-eos`.
 //!
 //! te's figure is `--stats`' `decode_tokens_per_s` (tokens generated in
@@ -187,7 +187,7 @@ pub fn run(args: &[String]) -> anyhow::Result<Vec<String>> {
                     Command::new(llama.tool(tool))
                         .args(["-m", &target, "-t", &t, "-n", &n, "-f"])
                         .arg(&file)
-                        .args(["--temp", "0", "--draft-max", "8", "--ignore-eos"])
+                        .args(["--temp", "0", "--spec-draft-n-max", "8", "--ignore-eos"])
                         .args(extra),
                     tool,
                 )?;
@@ -206,7 +206,7 @@ pub fn run(args: &[String]) -> anyhow::Result<Vec<String>> {
          --max-batch-size B --prompt PROMPT` (B times) plain, with `--draft-ngram 3`, and with \
          `--model-draft DRAFT --draft-max 4`; \
          `llama-completion -m FILE -t {t} -n {n} -f PROMPT --temp 0 -no-cnv --ignore-eos`; \
-         `llama-speculative -m FILE -md DRAFT -t {t} -n {n} -f PROMPT --temp 0 --draft-max 8 \
+         `llama-speculative -m FILE -md DRAFT -t {t} -n {n} -f PROMPT --temp 0 --spec-draft-n-max 8 \
          --ignore-eos`; `llama-lookup` the same without `-md`."
     ));
     Ok(rows)
