@@ -31,12 +31,13 @@
 //! and multiplied into a 4 weight rows x t token rows tile at once
 //! (decode). Otherwise each task decodes panels of 256 KiB of f32
 //! weights (at least 32 rows for long rows; 4 rows, one tile, for at most
-//! 16 token rows; f32 weights are read in place) and runs every register tile of `x` against the panel, so each
-//! weight block is decoded once per step whatever `t` is (panel rows start
-//! on cache lines, and are one line further apart when `k` is a multiple
-//! of 1024, so that the tile's rows do not share L1 sets; with AVX-512
-//! the bytes of the task's next panel are prefetched
-//! while the last block of token rows is multiplied): AVX-512 tiles of 4 x 6 (24 of its 32 registers),
+//! 16 token rows; f32 weights are read in place) and runs every register
+//! tile of `x` against the panel, so each weight block is decoded once per
+//! step whatever `t` is (panel rows start on cache lines, and are one line
+//! further apart when `k` is a multiple of 1024, so that the tile's rows
+//! do not share L1 sets; with AVX-512 the bytes of the task's next panel
+//! are prefetched while the last block of token rows is multiplied):
+//! AVX-512 tiles of 4 x 6 (24 of its 32 registers),
 //! walking `k` in 2048-column blocks with the accumulators saved between
 //! blocks (exact); AVX2 tiles of 4 x 3, one 8-lane half of the 16 lanes
 //! at a time. With AVX2 and at most 2 token rows, quantized weights are
