@@ -145,12 +145,13 @@ pub fn run(args: &[String]) -> anyhow::Result<Vec<String>> {
             };
             let plain = te_run(&[])?;
             let plain_ts = num(&plain, "decode_tokens_per_s")?;
-            rows.push(format!(
-                "| {name} | {batch} | te plain | {plain_ts:.1} | 1.00x | | |"
-            ));
+            push(
+                &mut rows,
+                format!("| {name} | {batch} | te plain | {plain_ts:.1} | 1.00x | | |"),
+            );
             let spec = te_run(&["--draft-ngram", "3"])?;
             let ts = num(&spec, "decode_tokens_per_s")?;
-            rows.push(format!(
+            push(&mut rows, format!(
                 "| {name} | {batch} | te prompt lookup (`--draft-ngram 3`) | {ts:.1} | {:.2}x | {:.0}% | {:.2} |",
                 ts / plain_ts,
                 100.0 * num(&spec, "acceptance_rate")?,
@@ -158,7 +159,7 @@ pub fn run(args: &[String]) -> anyhow::Result<Vec<String>> {
             ));
             let with_model = te_run(&["--model-draft", &draft, "--draft-max", "4"])?;
             let ts = num(&with_model, "decode_tokens_per_s")?;
-            rows.push(format!(
+            push(&mut rows, format!(
                 "| {name} | {batch} | te draft model (0.5B, `--draft-max 4`) | {ts:.1} | {:.2}x | {:.0}% | {:.2} |",
                 ts / plain_ts,
                 100.0 * num(&with_model, "acceptance_rate")?,
@@ -175,10 +176,13 @@ pub fn run(args: &[String]) -> anyhow::Result<Vec<String>> {
                 "llama-completion",
             )?;
             let l_plain = eval_tokens_per_s(&completion)?;
-            rows.push(format!(
+            push(
+                &mut rows,
+                format!(
                 "| {name} | 1 | llama.cpp plain (`llama-completion`) | {l_plain:.1} | {:.2}x | | |",
                 l_plain / plain_ts
-            ));
+            ),
+            );
             for (tool, extra) in [
                 ("llama-speculative", vec!["-md", draft.as_str()]),
                 ("llama-lookup", vec![]),
@@ -192,10 +196,13 @@ pub fn run(args: &[String]) -> anyhow::Result<Vec<String>> {
                     tool,
                 )?;
                 let (ts, accept) = speculative_figures(&out)?;
-                rows.push(format!(
-                    "| {name} | 1 | llama.cpp `{tool}` | {ts:.1} | {:.2}x | {accept:.0}% | |",
-                    ts / plain_ts
-                ));
+                push(
+                    &mut rows,
+                    format!(
+                        "| {name} | 1 | llama.cpp `{tool}` | {ts:.1} | {:.2}x | {accept:.0}% | |",
+                        ts / plain_ts
+                    ),
+                );
             }
         }
     }
@@ -210,6 +217,13 @@ pub fn run(args: &[String]) -> anyhow::Result<Vec<String>> {
          --ignore-eos`; `llama-lookup` the same without `-md`."
     ));
     Ok(rows)
+}
+
+/// Adds a table row, and shows it at once (a later failure then loses
+/// nothing measured).
+fn push(rows: &mut Vec<String>, row: String) {
+    eprintln!("bench: {row}");
+    rows.push(row);
 }
 
 /// Stdout and stderr of `cmd` together (the tools log their speeds on
@@ -262,7 +276,9 @@ fn speculative_figures(log: &str) -> anyhow::Result<(f64, f64)> {
     let field = |first: &str, after: &str, until: &str| -> anyhow::Result<f64> {
         let line = log
             .lines()
-            .find(|l| l.split_whitespace().next() == Some(first))
+            // (Newer builds put a time and a level before the word:
+            // `0.08.863.730 I decoded ...`.)
+            .find(|l| l.split_whitespace().take(3).any(|w| w == first) && l.contains(after))
             .with_context(|| format!("no `{first}` line"))?;
         let rest = line
             .split(after)
@@ -294,5 +310,9 @@ mod tests {
                    decoded  256 tokens in   20.000 seconds, speed:   12.800 t/s\n\
                    n_drafted = 300\nn_accept  = 276\naccept    = 92.000%\n";
         assert_eq!(speculative_figures(log).unwrap(), (12.8, 92.0));
+        let log = "0.08.863.729 I encoded   13 tokens in    0.355 seconds, speed:   36.569 t/s\n\
+                   0.08.863.730 I decoded   34 tokens in    2.206 seconds, speed:   15.412 t/s\n\
+                   0.08.863.731 I n_accept  = 29\n0.08.863.732 I accept    = 90.625%\n";
+        assert_eq!(speculative_figures(log).unwrap(), (15.412, 90.625));
     }
 }

@@ -43,8 +43,8 @@
 //! at a time. With AVX2 and at most 2 token rows, quantized weights are
 //! decoded in registers too (32 at a time, 4 weight rows per tile, each
 //! 16-lane accumulator as two 8-lane halves; AVX-512 decodes block by
-//! block, through a table of the block's values for the 4- and 5-bit
-//! types). The register-decoded kernels prefetch the weight rows of the
+//! block, through a table of the block's values for Q4_0, Q4_1 and Q5_0,
+//! converting each quant for the others). The register-decoded kernels prefetch the weight rows of the
 //! tiles ahead (AVX-512: 4 tiles ahead, into L2; AVX2: the next tile): a
 //! model's weights are read from the file map in 4 KiB pages, where the
 //! hardware prefetcher alone leaves the short rows (Gemma 3's 640

@@ -1,9 +1,12 @@
 //! AVX-512 decoders, block by block, 16 values per register, bit-identical
-//! to the scalar ones: 4- and 5-bit quants index a table of their block's
-//! values (computed with the scalar decoder's operations, or with one fused
-//! multiply-add where the product is exact in f32, which rounds the same);
-//! the other types' quants are widened to i32, converted to f32 exactly
-//! and multiplied by the scalar decoder's scale.
+//! to the scalar ones: the 4- and 5-bit quants of Q4_0, Q4_1 and Q5_0
+//! index a table of their block's values (computed with the scalar
+//! decoder's operations, or with one fused multiply-add where the product
+//! is exact in f32, which rounds the same); the other types' quants are
+//! widened to i32, converted to f32 exactly and multiplied by the scalar
+//! decoder's scale (Q4_K: one fused multiply-subtract, exact product).
+//! The K types' per-sub-block multipliers are stored once per block and
+//! broadcast from memory ([`Mults`], [`splat`]).
 
 use std::arch::x86_64::*;
 
@@ -119,10 +122,10 @@ fn nibbles16(b: &[u8], at: usize, table: &__m512) -> [__m512; 2] {
 // Decoders, two per type: `*_block(b)` computes what the block `b`
 // (its bytes) shares, once per block; `f(b, sub, &shared)` is elements
 // 32·sub .. 32·sub + 32 of the block, as [elements 0..16, elements
-// 16..32], with the values of the scalar decoder (bit for bit). The
-// 4- and 5-bit types decode through a table of their 16 or 32 values,
-// computed per block (or sub-block) with the scalar decoder's
-// operations, so they are the same bits.
+// 16..32], with the values of the scalar decoder (bit for bit). Q4_0,
+// Q4_1 and Q5_0 decode through a table of their 16 or 32 values,
+// computed per block with the scalar decoder's operations, so they are
+// the same bits.
 
 /// Q4_0's table: d·(q − 8) for q < 16.
 #[inline]
@@ -204,10 +207,11 @@ pub(crate) fn q8_0(b: &[u8], _sub: usize, d: &__m512) -> [__m512; 2] {
 /// The multipliers of a Q4_K block's 8 sub-blocks: `[d·scale_j for j
 /// < 8, dmin·min_j for j < 8]` (each an exact product of an f16 and a
 /// 6-bit integer, as the scalar decoder computes it), all 16 decoded
-/// at once from the 12 bytes of packed scales.
+/// at once from the 12 bytes of packed scales, and stored, so that each
+/// sub-block reads its two with [`splat`].
 #[inline]
 #[target_feature(enable = "avx512f,avx2,f16c")]
-pub(crate) fn q4_k_block(b: &[u8]) -> __m512 {
+pub(crate) fn q4_k_block(b: &[u8]) -> Mults {
     let word = |at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
     let (w0, w1, w2) = (word(4), word(8), word(12));
     // Bytes j < 4: the low 6 bits of scales[j] / scales[j + 4]; bytes
@@ -221,80 +225,125 @@ pub(crate) fn q4_k_block(b: &[u8]) -> __m512 {
     let ints = _mm_set_epi64x(min as i64, scale as i64);
     // [d; 8] then [dmin; 8].
     let mul = _mm512_mask_blend_ps(0xFF00, f16_splat(b, 0), f16_splat(b, 2));
-    _mm512_mul_ps(mul, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(ints)))
-}
-
-/// Lane `i` of `v` in every lane (one permute).
-#[inline]
-#[target_feature(enable = "avx512f,avx2,f16c")]
-fn lane(v: __m512, i: usize) -> __m512 {
-    _mm512_permutexvar_ps(_mm512_set1_epi32(i as i32), v)
+    Mults::new(_mm512_mul_ps(
+        mul,
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(ints)),
+    ))
 }
 
 /// Q4_K sub-block j: d·scale_j·q − dmin·min_j, q nibble j % 2 of
-/// qs\[32·(j / 2) ..\]; from a table of the sub-block's 16 values
-/// (ds·q is exact in f32, 11 + 6 + 4 bits, so the fused
-/// multiply-subtract rounds once, as the scalar decoder does).
+/// qs\[32·(j / 2) ..\] (ds·q is exact in f32, 11 + 6 + 4 bits, so the
+/// fused multiply-subtract rounds once, as the scalar decoder does).
+/// Each quant is converted to f32 rather than looked up in a table of the
+/// sub-block's 16 values: a lookup and the broadcasts that build the
+/// table run on the one port that also widens the bytes, which bounded
+/// decoding at one token row (`llvm-mca` of the fused kernel: 68 cycles a
+/// block on that port, 38 on the other).
 #[inline]
 #[target_feature(enable = "avx512f,avx2,f16c")]
-pub(crate) fn q4_k(b: &[u8], j: usize, scales: &__m512) -> [__m512; 2] {
-    let table = _mm512_fmsub_ps(lane(*scales, j), iota16(), lane(*scales, 8 + j));
+pub(crate) fn q4_k(b: &[u8], j: usize, mults: &Mults) -> [__m512; 2] {
+    // SAFETY: j < 8, so both indices are inside the 16 multipliers.
+    let (ds, dm) = unsafe { (splat(mults, j), splat(mults, 8 + j)) };
     let at = 16 + 32 * (j / 2);
-    let nib = |q: __m512i| {
+    let value = |q: __m512i| {
         let q = if j.is_multiple_of(2) {
-            q
+            _mm512_and_si512(q, _mm512_set1_epi32(0x0F))
         } else {
             _mm512_srli_epi32::<4>(q)
         };
-        lookup16(q, table)
+        _mm512_fmsub_ps(ds, _mm512_cvtepi32_ps(q), dm)
     };
-    [nib(u8x16(b, at)), nib(u8x16(b, at + 16))]
+    [value(u8x16(b, at)), value(u8x16(b, at + 16))]
+}
+
+/// A block's 16 multipliers, stored (64-byte aligned) for [`splat`].
+#[repr(C, align(64))]
+pub(crate) struct Mults([f32; 16]);
+
+impl Mults {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    fn new(v: __m512) -> Mults {
+        let mut m = Mults([0.0; 16]);
+        // SAFETY: 16 floats, 64-byte aligned (the type's alignment).
+        unsafe { _mm512_store_ps(m.0.as_mut_ptr(), v) };
+        m
+    }
+}
+
+/// Multiplier `i` of `m` in every lane, broadcast from memory: a load
+/// port does it, where broadcasting a lane of a register takes the
+/// shuffle port the decoders' widening needs (the compiler turns a plain
+/// read of a just-stored value back into shuffles, hence the asm).
+///
+/// # Safety
+/// `i < 16`; the CPU must support AVX-512F.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+unsafe fn splat(m: &Mults, i: usize) -> __m512 {
+    debug_assert!(i < 16);
+    let v: __m512;
+    // SAFETY: reads the 4 bytes of m.0[i] (in bounds, as the caller
+    // guarantees); touches no other memory, stack or flags.
+    unsafe {
+        std::arch::asm!(
+            "vbroadcastss {v}, dword ptr [{p}]",
+            p = in(reg) m.0.as_ptr().add(i),
+            v = out(zmm_reg) v,
+            options(pure, readonly, nostack, preserves_flags),
+        );
+    }
+    v
 }
 
 /// The 16 multipliers of a Q6_K block: d·scales\[i\] (an exact product
-/// of an f16 and an i8, as the scalar decoder computes it).
+/// of an f16 and an i8, as the scalar decoder computes it), stored for
+/// [`splat`].
 #[inline]
 #[target_feature(enable = "avx512f,avx2,f16c")]
-pub(crate) fn q6_k_block(b: &[u8]) -> __m512 {
+pub(crate) fn q6_k_block(b: &[u8]) -> Mults {
     let d = f16_splat(b, 208);
-    _mm512_mul_ps(d, _mm512_cvtepi32_ps(i8x16(b, 192)))
+    Mults::new(_mm512_mul_ps(d, _mm512_cvtepi32_ps(i8x16(b, 192))))
 }
 
-/// Q6_K group i = 4·h + r: d·scale·(q − 32). The 6-bit quants are put
-/// together 16 bytes at a time (each byte's bits come from its own
-/// bytes of ql and qh), then widened.
+/// Q6_K group i = 4·h + r: d·scale·(q − 32). The group's 32 6-bit
+/// quants are put together in one 256-bit register (each byte's bits come
+/// from its own bytes of ql and qh), then widened 16 at a time.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,f16c")]
-pub(crate) fn q6_k(b: &[u8], i: usize, scales: &__m512) -> [__m512; 2] {
+pub(crate) fn q6_k(b: &[u8], i: usize, scales: &Mults) -> [__m512; 2] {
     let (h, r) = (i / 4, i % 4);
     let bytes = |at: usize| {
-        let v: &[u8; 16] = b[at..at + 16].try_into().expect("16 bytes");
-        // SAFETY: reads the 16 bytes of `v` (no alignment needed).
-        unsafe { _mm_loadu_si128(v.as_ptr().cast()) }
+        let v: &[u8; 32] = b[at..at + 32].try_into().expect("32 bytes");
+        // SAFETY: reads the 32 bytes of `v` (no alignment needed).
+        unsafe { _mm256_loadu_si256(v.as_ptr().cast()) }
     };
-    let half = |l0: usize| {
-        // Shifting 16-bit lanes and masking keeps each byte's own bits
-        // (shift + width <= 8).
-        let low = _mm_and_si128(
-            _mm_srl_epi16(
-                bytes(64 * h + 32 * (r % 2) + l0),
-                _mm_cvtsi32_si128(4 * (r / 2) as i32),
-            ),
-            _mm_set1_epi8(0x0F),
-        );
-        let high = _mm_and_si128(
-            _mm_srl_epi16(bytes(128 + 32 * h + l0), _mm_cvtsi32_si128(2 * r as i32)),
-            _mm_set1_epi8(3),
-        );
-        let q = _mm_sub_epi8(
-            _mm_or_si128(low, _mm_slli_epi16::<4>(high)),
-            _mm_set1_epi8(32),
-        );
-        let e = 128 * h + 32 * r + l0;
-        _mm512_mul_ps(
-            lane(*scales, e / 16),
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)),
-        )
+    // Shifting 16-bit lanes and masking keeps each byte's own bits
+    // (shift + width <= 8).
+    let low = _mm256_and_si256(
+        _mm256_srl_epi16(
+            bytes(64 * h + 32 * (r % 2)),
+            _mm_cvtsi32_si128(4 * (r / 2) as i32),
+        ),
+        _mm256_set1_epi8(0x0F),
+    );
+    let high = _mm256_and_si256(
+        _mm256_srl_epi16(bytes(128 + 32 * h), _mm_cvtsi32_si128(2 * r as i32)),
+        _mm256_set1_epi8(3),
+    );
+    let q = _mm256_sub_epi8(
+        _mm256_or_si256(low, _mm256_slli_epi16::<4>(high)),
+        _mm256_set1_epi8(32),
+    );
+    // Elements e .. e + 32 of the block: multipliers e / 16 and e / 16 + 1.
+    let e = 128 * h + 32 * r;
+    let value = |q: __m128i, s: usize| {
+        // SAFETY: e < 256, so s <= 15.
+        let ds = unsafe { splat(scales, s) };
+        _mm512_mul_ps(ds, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)))
     };
-    [half(0), half(16)]
+    [
+        value(_mm256_castsi256_si128(q), e / 16),
+        value(_mm256_extracti128_si256::<1>(q), e / 16 + 1),
+    ]
 }
