@@ -37,9 +37,9 @@
 //! further apart when `k` is a multiple of 1024, so that the tile's rows
 //! do not share L1 sets; with AVX-512 the bytes of the task's next panel
 //! are prefetched while the last block of token rows is multiplied):
-//! AVX-512 tiles of 4 x 6 (24 of its 32 registers),
-//! walking `k` in 2048-column blocks with the accumulators saved between
-//! blocks (exact); AVX2 tiles of 4 x 3, one 8-lane half of the 16 lanes
+//! AVX-512 tiles of 4 x 6 (24 of its 32 registers), walking `k` in
+//! equal blocks of at most 1024 columns with the accumulators saved
+//! between blocks (exact); AVX2 tiles of 4 x 3, one 8-lane half of the 16 lanes
 //! at a time. With AVX2 and at most 2 token rows, quantized weights are
 //! decoded in registers too (32 at a time, 4 weight rows per tile, each
 //! 16-lane accumulator as two 8-lane halves; AVX-512 decodes block by
@@ -501,7 +501,7 @@ pub(crate) fn matmul_many_into_isa<const N: usize>(
     // in place), then the k-blocked kernel's accumulator state.
     // (Empty when k is one block: the kernel then keeps its accumulators
     // in registers from start to end.)
-    let state_len = if k > KC {
+    let state_len = if k > k_block(k) {
         STATE_ROWS * prows.div_ceil(MR) * MR * 16
     } else {
         0
@@ -637,12 +637,24 @@ fn product_task(isa: Isa, input: Input<'_>, task: Task<'_>, panel: &mut [f32]) {
     }
 }
 
-/// Columns per k-block of the AVX-512 panel kernel: a 6-row tile of `x`
-/// (48 KiB at most) and a 4-row tile of the panel stay in L2 while the
-/// kernel walks them. Both models' rows (k <= 2048) are one block, so the
-/// accumulators are never saved and reloaded: 256 (tiles in L1) made
-/// Gemma 3's pp512 ~20% slower than 1024 or 2048.
-const KC: usize = 2048;
+/// Most columns per k-block of the AVX-512 panel kernel ([`k_block`]): a
+/// 6-row tile of `x` (24 KiB at most) and a 4-row tile of the panel
+/// (16 KiB) then fit in L1 together while the kernel walks them. With
+/// blocks of 2048 (four, then 768), Qwen2.5-Coder 1.5B's down projection
+/// (`k` = 8960) ran 251 GFLOP/s at 128 token rows, 281 with six of 1504
+/// (the tiles of 2048 columns filled L1 alone); its `k` = 1536 products
+/// and Gemma 3's pp512 are the same within noise either way, and 512
+/// (saving and reloading the accumulators four times as often) is slower.
+const KC: usize = 1024;
+
+/// The k-block width for rows of `k` columns: `k` in the fewest blocks
+/// of at most [`KC`] (`k` itself when it is one), of equal widths
+/// rounded up to 16 columns (8960: six of 1504 but the last, not eight
+/// of 1024 and one of 768).
+fn k_block(k: usize) -> usize {
+    let blocks = k.div_ceil(KC);
+    k.div_ceil(blocks).next_multiple_of(16)
+}
 
 /// Token rows per block of the AVX-512 panel kernel (a multiple of its 6
 /// rows per tile); their accumulators live in the task's state buffer
@@ -651,7 +663,7 @@ const STATE_ROWS: usize = 48;
 
 /// [`panel_product`] with AVX-512, blocked over `k` as well: for each block
 /// of [`STATE_ROWS`] token rows, the columns are walked in blocks of
-/// [`KC`], each tile's 16-lane accumulators saved to `state` between
+/// [`k_block`], each tile's 16-lane accumulators saved to `state` between
 /// blocks and reloaded (exact), so every accumulator still sees its
 /// columns in order and the arithmetic is the module's. `panel.w`:
 /// `panel.rows` rows of `k` floats, `panel.ldw` apart; `state`: at least
@@ -675,7 +687,7 @@ fn panel_product_avx512(
     const NR: usize = 6;
     let tiles_m = rows.div_ceil(MR);
     assert!(
-        k <= KC || state.len() >= STATE_ROWS * tiles_m * MR * 16,
+        k <= k_block(k) || state.len() >= STATE_ROWS * tiles_m * MR * 16,
         "panel_product_avx512: short state"
     );
     assert!(
@@ -694,13 +706,14 @@ fn panel_product_avx512(
     };
     let first_line = next.as_ptr().wrapping_sub(skew);
     let last_block = (t - 1) / STATE_ROWS * STATE_ROWS;
-    let tiles = (t - last_block).div_ceil(NR) * k.div_ceil(KC) * tiles_m;
+    let kc = k_block(k);
+    let tiles = (t - last_block).div_ceil(NR) * k.div_ceil(kc) * tiles_m;
     let per_tile = lines.div_ceil(tiles);
     let mut line = 0;
     for b0 in (0..t).step_by(STATE_ROWS) {
         let bt = STATE_ROWS.min(t - b0);
-        for c0 in (0..k).step_by(KC) {
-            let c1 = (c0 + KC).min(k);
+        for c0 in (0..k).step_by(kc) {
+            let c1 = (c0 + kc).min(k);
             // The block's rows in as few tiles as fit, of even sizes
             // (32 rows: 5, 5, 6, 5, 5, 6, not five of 6 and one of 2).
             let tiles_i = bt.div_ceil(NR);
@@ -716,7 +729,7 @@ fn panel_product_avx512(
                     });
                     let slot = (ti * tiles_m + m0 / MR) * MR * NR * 16;
                     // (One block: the kernel never touches its state.)
-                    let st = if k > KC {
+                    let st = if k > kc {
                         state[slot..slot + MR * NR * 16].as_mut_ptr()
                     } else {
                         std::ptr::null_mut()
@@ -1433,8 +1446,8 @@ mod tests {
         }
         let mut rng = StdRng::seed_from_u64(7);
         // Two blocks, and three (a middle block reloads and saves); then
-        // padded panels of one block; then padded panels of two blocks,
-        // several per task.
+        // padded panels of two blocks and of one; then padded panels of
+        // three blocks, several per task.
         for (ty, f16_at, k, n) in [
             (GgmlType::Q8_0, &[0][..], KC + 96, 9),
             (GgmlType::F32, &[], KC + 100, 9),
