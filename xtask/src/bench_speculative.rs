@@ -13,7 +13,7 @@
 //! `decoded ... speed` line of the speculative tools and the `eval time`
 //! tokens per second of `llama-completion` (prompt excluded in both).
 //! Batch 8 is eight copies of the prompt (their prompt pages shared).
-//! te's draft model (`--model-draft`, the 0.5B, `--draft-max 4`) runs at
+//! te's draft model (`--model-draft`, the 0.5B, adaptive length) runs at
 //! batch 1 and 8 as well. Prints a markdown table for
 //! docs/benchmarks.md. `--smoke`: the code-editing workload only, 48
 //! tokens, batch 1, te only (a check that the section runs). Not part of
@@ -157,14 +157,17 @@ pub fn run(args: &[String]) -> anyhow::Result<Vec<String>> {
                 100.0 * num(&spec, "acceptance_rate")?,
                 num(&spec, "mean_accepted_length")?,
             ));
-            let with_model = te_run(&["--model-draft", &draft, "--draft-max", "4"])?;
+            let with_model = te_run(&["--model-draft", &draft])?;
             let ts = num(&with_model, "decode_tokens_per_s")?;
-            push(&mut rows, format!(
-                "| {name} | {batch} | te draft model (0.5B, `--draft-max 4`) | {ts:.1} | {:.2}x | {:.0}% | {:.2} |",
+            push(
+                &mut rows,
+                format!(
+                "| {name} | {batch} | te draft model (0.5B) | {ts:.1} | {:.2}x | {:.0}% | {:.2} |",
                 ts / plain_ts,
                 100.0 * num(&with_model, "acceptance_rate")?,
                 num(&with_model, "mean_accepted_length")?,
-            ));
+            ),
+            );
             let Some(llama) = llama.as_ref().filter(|_| batch == 1) else {
                 continue;
             };
@@ -211,7 +214,7 @@ pub fn run(args: &[String]) -> anyhow::Result<Vec<String>> {
     rows.push(format!(
         "Commands: `te generate --model FILE -t {t} --json --stats --ignore-eos --max-new-tokens {n} \
          --max-batch-size B --prompt PROMPT` (B times) plain, with `--draft-ngram 3`, and with \
-         `--model-draft DRAFT --draft-max 4`; \
+         `--model-draft DRAFT`; \
          `llama-completion -m FILE -t {t} -n {n} -f PROMPT --temp 0 -no-cnv --ignore-eos`; \
          `llama-speculative -m FILE -md DRAFT -t {t} -n {n} -f PROMPT --temp 0 --spec-draft-n-max 8 \
          --ignore-eos`; `llama-lookup` the same without `-md`."

@@ -28,10 +28,10 @@ pub struct DraftArgs {
     /// KV cache of the draft model, in tokens (default: --kv-cache-tokens).
     #[arg(long, value_name = "N", requires = "model_draft")]
     pub kv_cache_tokens_draft: Option<usize>,
-    /// Prompt lookup: draft exactly K tokens whenever the lookup has them
-    /// (default: an adaptive length, up to 16, that backs off when drafts
-    /// are rejected and does not draft where it would not pay). Draft
-    /// model: K tokens per verification (default 4).
+    /// Draft exactly K tokens whenever the source has them (default: an
+    /// adaptive length, up to 16 for prompt lookup and 8 for a draft
+    /// model, that backs off when drafts are rejected and does not draft
+    /// where it would not pay).
     #[arg(long, value_name = "K")]
     pub draft_max: Option<usize>,
     /// Verify no draft shorter than this.

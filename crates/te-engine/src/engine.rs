@@ -81,7 +81,7 @@ use crate::request::{invalid, DraftLimits, Request, RequestError, RequestId};
 use crate::sampling::{Sampler, TokenLogprobs};
 use crate::scheduler::{Schedule, Scheduler, SchedulerConfig, SeqState};
 use crate::speculative::{
-    CostModel, DraftModel, DraftSource, DraftWant, Drafter, SpeculativeConfig,
+    model_draft_len, CostModel, DraftModel, DraftSource, DraftWant, Drafter, SpeculativeConfig,
 };
 use crate::text::TextState;
 
@@ -855,7 +855,22 @@ impl<'a> Engine<'a> {
         let batch = self.sched.running().len();
         let extra = self.cost.extra_costs(batch);
         let chunk = self.prefill_chunk;
+        // The step's new tokens reach tokens.len() + draft + 1.
+        let room = |seq: &Seq<'_>| {
+            seq.data
+                .limit
+                .saturating_sub(seq.tokens.len() + 1)
+                .min(chunk - 1)
+        };
         if let Some(dm) = self.draft_model.as_mut() {
+            let drafting: Vec<(&Drafter, usize)> = self
+                .sched
+                .running()
+                .iter()
+                .filter(|seq| seq.decoding())
+                .filter_map(|seq| Some((seq.data.drafter.as_ref()?, room(seq))))
+                .collect();
+            let adaptive = model_draft_len(&drafting, batch, &self.cost, dm.cost());
             let wants: Vec<DraftWant<'_>> = self
                 .sched
                 .running()
@@ -864,12 +879,7 @@ impl<'a> Engine<'a> {
                     id: seq.id,
                     tokens: &seq.tokens,
                     k: match &seq.data.drafter {
-                        Some(d) if seq.decoding() => d.model_len(
-                            seq.data
-                                .limit
-                                .saturating_sub(seq.tokens.len() + 1)
-                                .min(chunk - 1),
-                        ),
+                        Some(d) if seq.decoding() => d.model_len(room(seq), adaptive),
                         _ => 0,
                     },
                 })
@@ -884,15 +894,10 @@ impl<'a> Engine<'a> {
             if !seq.decoding() {
                 continue;
             }
+            let room = room(seq);
             let Some(drafter) = seq.data.drafter.as_mut() else {
                 continue;
             };
-            // The step's new tokens reach tokens.len() + draft + 1.
-            let room = seq
-                .data
-                .limit
-                .saturating_sub(seq.tokens.len() + 1)
-                .min(chunk - 1);
             seq.draft = drafter.propose(&seq.tokens, room, batch, &extra);
         }
         Ok(())

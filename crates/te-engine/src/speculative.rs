@@ -32,10 +32,9 @@
 //!
 //! # How long a draft
 //!
-//! A draft model drafts `draft_max` tokens (default
-//! [`MODEL_DRAFT_DEFAULT`]) at every step. For prompt lookup,
-//! `draft_max: Some(k)` drafts `k` tokens whenever the lookup finds them.
-//! By default the length is adaptive and cost-aware: each sequence keeps
+//! `draft_max: Some(k)` drafts `k` tokens whenever the source has them
+//! (prompt lookup: when the lookup finds them; a draft model: at every
+//! step). By default the length is adaptive and cost-aware: each sequence keeps
 //! an estimate `alpha` of the probability that a drafted token is
 //! accepted (an exponential average over verified positions; while not
 //! drafting, over whether the lookup's first token would have been the
@@ -48,7 +47,13 @@
 //! for; the engine drafts the `k` that maximises
 //! `sum alpha^i - B * (c(B + k) - c(B)) / c(B)` when that is positive,
 //! and does not draft otherwise (free text, where lookups rarely hold,
-//! then runs as plain decode).
+//! then runs as plain decode). A draft model's drafts also cost its own
+//! `k` sequential steps, which every sequence of the step waits for, and
+//! one batched draft step serves all drafting sequences, so the engine
+//! picks one `k` for them ([`model_draft_len`]: the measured draft step
+//! cost enters as `k · d / c(B)`), at most [`MODEL_DRAFT_DEFAULT`]; a
+//! draft-model sequence that stops drafting has no free lookup to learn
+//! from, so its `alpha` drifts back toward the prior and it tries again.
 
 use std::collections::HashMap;
 
@@ -71,13 +76,15 @@ pub enum DraftSource {
     /// the latest `n` tokens in the prompt and output so far.
     Ngram(usize),
     /// A draft model's greedy tokens (the engine's draft model,
-    /// [`crate::Engine::with_draft_model`]): `draft_max` of them (default
-    /// [`MODEL_DRAFT_DEFAULT`]) per verification, a fixed length.
+    /// [`crate::Engine::with_draft_model`]): `draft_max` of them per
+    /// verification, or without it the adaptive length, at most
+    /// [`MODEL_DRAFT_DEFAULT`].
     Model,
 }
 
-/// Draft length of a draft model without `draft_max`.
-pub const MODEL_DRAFT_DEFAULT: usize = 4;
+/// Longest draft of a draft model without `draft_max` (the adaptive
+/// length's bound: each drafted token costs the draft model a step).
+pub const MODEL_DRAFT_DEFAULT: usize = 8;
 
 /// Speculative decoding settings of an engine (every request it runs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -216,23 +223,37 @@ impl CostModel {
     }
 
     /// The cost of `k` more rows relative to a step of `batch` rows, for
-    /// each `k` in `1..=ADAPTIVE_DRAFT_MAX`: from the measured means of
-    /// both row counts where there are both, else from the linear fit
-    /// (`k * b / (a + b * batch)`), else from [`PRIOR_ROW_COST`].
+    /// each `k` in `1..=ADAPTIVE_DRAFT_MAX` ([`CostModel::extra_cost`]).
     pub(crate) fn extra_costs(&self, batch: usize) -> ExtraCosts {
-        let fit = self.fit();
-        let linear = |k: usize| match fit {
-            Some((a, b)) => k as f64 * b / (a + b * batch as f64),
-            None => k as f64 * PRIOR_ROW_COST / (1.0 + PRIOR_ROW_COST * (batch as f64 - 1.0)),
-        };
-        let measured = |rows: usize| rows.checked_sub(1).and_then(|i| *self.by_rows.get(i)?);
-        std::array::from_fn(|i| {
-            let k = i + 1;
-            match (measured(batch), measured(batch + k)) {
-                (Some(c0), Some(c1)) if c0 > 0.0 => ((c1 - c0) / c0).max(0.0),
-                _ => linear(k),
-            }
-        })
+        std::array::from_fn(|i| self.extra_cost(batch, i + 1))
+    }
+
+    /// The cost of `more` rows relative to a step of `batch` rows: from
+    /// the measured means of both row counts where there are both, else
+    /// from the linear fit (`more * b / (a + b * batch)`), else from
+    /// [`PRIOR_ROW_COST`].
+    pub(crate) fn extra_cost(&self, batch: usize, more: usize) -> f64 {
+        match (self.measured(batch), self.measured(batch + more)) {
+            (Some(c0), Some(c1)) if c0 > 0.0 => ((c1 - c0) / c0).max(0.0),
+            _ => match self.fit() {
+                Some((a, b)) => more as f64 * b / (a + b * batch as f64),
+                None => {
+                    more as f64 * PRIOR_ROW_COST / (1.0 + PRIOR_ROW_COST * (batch as f64 - 1.0))
+                }
+            },
+        }
+    }
+
+    /// The estimated seconds of a step of `rows` rows (its measured mean,
+    /// else the fit's), or `None` before the steps allow either.
+    pub(crate) fn seconds(&self, rows: usize) -> Option<f64> {
+        self.measured(rows)
+            .or_else(|| self.fit().map(|(a, b)| a + b * rows as f64))
+    }
+
+    /// The measured mean of the steps of `rows` rows.
+    fn measured(&self, rows: usize) -> Option<f64> {
+        rows.checked_sub(1).and_then(|i| *self.by_rows.get(i)?)
     }
 }
 
@@ -258,6 +279,48 @@ pub(crate) struct Drafter {
 const PRIOR_ALPHA: f64 = 0.5;
 /// Weight of one observation in `alpha`.
 const ALPHA_RATE: f64 = 0.15;
+/// How far a draft model's `alpha` moves back toward [`PRIOR_ALPHA`] in a
+/// step it does not draft.
+const IDLE_RATE: f64 = 0.02;
+
+/// The common length of the adaptive draft-model drafts of a step
+/// (`seqs`: each sequence's drafter and room), in a step of `batch`
+/// sequences: the `k` that maximises `sum_s yield_s(k) - batch ·
+/// (verify(k) + k · d / c(batch))`, where `verify(k)` is the relative
+/// cost of the drafted rows in the target's step (`target`), `d` the
+/// seconds of one draft-model step of the drafting sequences (`draft`)
+/// and `c(batch)` of the target's step without drafts: all `batch`
+/// sequences wait for the draft model's `k` sequential steps as for the
+/// extra rows. 0 when no length gains; costs not measured yet count as
+/// the prior row cost (verification) and as free (drafting), so the
+/// first steps draft and measure.
+pub(crate) fn model_draft_len(
+    seqs: &[(&Drafter, usize)],
+    batch: usize,
+    target: &CostModel,
+    draft: &CostModel,
+) -> usize {
+    let longest = seqs.iter().map(|(d, room)| d.cap.min(*room)).max();
+    let step = match (target.seconds(batch), draft.seconds(seqs.len())) {
+        (Some(c), Some(d)) if c > 0.0 => d / c,
+        _ => 0.0,
+    };
+    let (mut best, mut best_gain) = (0, 0.0);
+    for k in 1..=longest.unwrap_or(0) {
+        let mut yield_ = 0.0;
+        let mut rows = 0;
+        for (d, room) in seqs {
+            let n = k.min(d.cap.min(*room));
+            yield_ += d.expected_yield(n);
+            rows += n;
+        }
+        let gain = yield_ - batch as f64 * (target.extra_cost(batch, rows) + k as f64 * step);
+        if gain > best_gain {
+            (best, best_gain) = (k, gain);
+        }
+    }
+    best
+}
 
 impl Drafter {
     /// The drafter of a request under the engine's `config`, narrowed by
@@ -309,15 +372,28 @@ impl Drafter {
         found
     }
 
-    /// The length of a draft model's draft with `room` tokens left (0:
-    /// none).
-    pub(crate) fn model_len(&self, room: usize) -> usize {
+    /// The length of a draft model's draft with `room` tokens left, when
+    /// the adaptive length chose `adaptive` for the step (a fixed length
+    /// ignores it; 0: none).
+    pub(crate) fn model_len(&self, room: usize, adaptive: usize) -> usize {
         let k = self.cap.min(room);
+        let k = if self.fixed { k } else { k.min(adaptive) };
         if k < self.min {
             0
         } else {
             k
         }
+    }
+
+    /// `sum_{i=1..k} alpha^i`: the drafted tokens a draft of `k` is
+    /// expected to add (module doc).
+    fn expected_yield(&self, k: usize) -> f64 {
+        let (mut total, mut p) = (0.0, 1.0);
+        for _ in 0..k {
+            p *= self.alpha;
+            total += p;
+        }
+        total
     }
 
     /// The draft length in `0..=available` with the largest expected gain
@@ -346,10 +422,15 @@ impl Drafter {
         }
     }
 
-    /// Records the token a step without a draft produced.
+    /// Records the token a step without a draft produced. A draft model
+    /// has no free guess to check it against, so its estimate instead
+    /// drifts back toward [`PRIOR_ALPHA`] ([`IDLE_RATE`] a step), and a
+    /// sequence that stopped drafting tries again now and then.
     pub(crate) fn record_plain(&mut self, token: u32) {
         if let Some(s) = self.shadow.take() {
             self.observe(s == token);
+        } else if self.source == DraftSource::Model {
+            self.alpha += IDLE_RATE * (PRIOR_ALPHA - self.alpha);
         }
     }
 
@@ -371,6 +452,8 @@ pub(crate) struct DraftModel<'a> {
     fed: HashMap<u64, usize>,
     /// Longest feed of one sequence in one draft step.
     chunk: usize,
+    /// Seconds of the draft steps by their rows ([`model_draft_len`]).
+    cost: CostModel,
 }
 
 /// What [`DraftModel::draft`] is asked for one sequence.
@@ -412,6 +495,7 @@ impl<'a> DraftModel<'a> {
             cache,
             fed: HashMap::new(),
             chunk,
+            cost: CostModel::new(),
         })
     }
 
@@ -444,9 +528,12 @@ impl<'a> DraftModel<'a> {
                 tokens.extend_from_slice(feed);
             }
             // Each sequence's greedy token.
+            let start = std::time::Instant::now();
             let Some(picks) = self.feed(&steps, &tokens)? else {
                 return Ok(vec![Vec::new(); wants.len()]);
             };
+            self.cost
+                .record(tokens.len(), start.elapsed().as_secs_f64());
             let mut next = Vec::with_capacity(active.len());
             for (b, (&i, &(id, n))) in active.iter().zip(&steps).enumerate() {
                 let fed = self.fed.entry(id).or_insert(0);
@@ -463,6 +550,11 @@ impl<'a> DraftModel<'a> {
             round += 1;
         }
         Ok(drafts)
+    }
+
+    /// The measured cost of this draft model's draft steps.
+    pub(crate) fn cost(&self) -> &CostModel {
+        &self.cost
     }
 
     /// Feeds each sequence of `seqs` (id, tokens) up to a chunk of the
@@ -667,9 +759,76 @@ mod tests {
             ..adaptive
         };
         let d = Drafter::new(model, limits(Some(2), None)).unwrap();
-        assert_eq!((d.model_len(100), d.model_len(1)), (2, 1));
+        assert_eq!((d.model_len(100, 16), d.model_len(1, 16)), (2, 1));
         let d = Drafter::new(model, DraftLimits::default()).unwrap();
-        assert_eq!(d.model_len(100), MODEL_DRAFT_DEFAULT);
+        assert_eq!(d.model_len(100, 16), MODEL_DRAFT_DEFAULT);
+        // The adaptive length bounds it; a fixed length does not.
+        assert_eq!((d.model_len(100, 3), d.model_len(100, 0)), (3, 0));
+        let d = Drafter::new(
+            SpeculativeConfig {
+                draft_max: Some(4),
+                ..model
+            },
+            DraftLimits::default(),
+        )
+        .unwrap();
+        assert_eq!(d.model_len(100, 0), 4);
+    }
+
+    /// Records steps costing `a + b * rows` seconds for 1..=64 rows.
+    fn linear_costs(a: f64, b: f64) -> CostModel {
+        let mut c = CostModel::new();
+        for rows in 1..=64 {
+            c.record(rows, a + b * rows as f64);
+        }
+        c
+    }
+
+    #[test]
+    fn draft_model_length_weighs_its_own_steps() {
+        let model = SpeculativeConfig {
+            source: DraftSource::Model,
+            ..SpeculativeConfig::ngram(1)
+        };
+        let drafter = |alpha| {
+            let mut d = Drafter::new(model, DraftLimits::default()).unwrap();
+            d.alpha = alpha;
+            d
+        };
+        // Target: 0.1 s plus 0.01 a row; draft steps 0.02 s plus 0.001 a
+        // row. One sequence sure of acceptance: gain(k) = k - k · (0.01 +
+        // 0.021) / 0.11, largest at the longest draft.
+        let target = linear_costs(0.1, 0.01);
+        let cheap = linear_costs(0.02, 0.001);
+        let sure = drafter(1.0);
+        assert_eq!(
+            model_draft_len(&[(&sure, 100)], 1, &target, &cheap),
+            MODEL_DRAFT_DEFAULT
+        );
+        // Room narrows it.
+        assert_eq!(model_draft_len(&[(&sure, 3)], 1, &target, &cheap), 3);
+        // By hand, alpha = 0.5, batch 1: gain(1) = 0.5 - (0.01 + 0.021) /
+        // 0.11 = 0.218; gain(2) = 0.75 - (0.02 + 0.042) / 0.11 = 0.186.
+        let half = drafter(0.5);
+        assert_eq!(model_draft_len(&[(&half, 100)], 1, &target, &cheap), 1);
+        // A draft step as dear as the target's: nothing gains.
+        let dear = linear_costs(0.1, 0.01);
+        assert_eq!(model_draft_len(&[(&half, 100)], 1, &target, &dear), 0);
+        // Eight sequences at alpha 0.5 all wait for every draft step and
+        // every extra row: gain(1) = 8 · 0.5 - 8 · (8 · 0.01 + 0.028) /
+        // 0.18 = -0.8, so no draft, where one sequence alone drafts.
+        let eight = vec![(&half, 100); 8];
+        assert_eq!(model_draft_len(&eight, 8, &target, &cheap), 0);
+        // Unmeasured costs: the prior row cost and free draft steps, so the
+        // first steps draft.
+        let new = CostModel::new();
+        assert!(model_draft_len(&[(&sure, 100)], 1, &new, &new) > 0);
+        // A sequence that stops drafting drifts back toward drafting.
+        let mut d = drafter(0.0);
+        for _ in 0..200 {
+            d.record_plain(7);
+        }
+        assert!((d.alpha - PRIOR_ALPHA).abs() < 0.01, "{}", d.alpha);
     }
 
     #[test]
