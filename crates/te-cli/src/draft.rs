@@ -29,7 +29,7 @@ pub struct DraftArgs {
     #[arg(long, value_name = "N", requires = "model_draft")]
     pub kv_cache_tokens_draft: Option<usize>,
     /// Draft exactly K tokens whenever the source has them (default: an
-    /// adaptive length, up to 16 for prompt lookup and 8 for a draft
+    /// adaptive length, up to 16 for prompt lookup and 4 for a draft
     /// model, that backs off when drafts are rejected and does not draft
     /// where it would not pay).
     #[arg(long, value_name = "K")]

@@ -627,9 +627,12 @@ impl<'a> Engine<'a> {
         if self.sched.running().is_empty() {
             return Ok(events);
         }
-        // A step's time includes its drafting (a draft model's steps).
+        // A step's time includes its drafting (a draft model's steps); the
+        // cost model's does not (the draft model's steps are costed apart,
+        // `model_draft_len`).
         let start = Instant::now();
         self.propose_drafts()?;
+        let verify_start = Instant::now();
         let feed = match self.sched.schedule()? {
             Schedule::Idle => return Ok(events),
             Schedule::PoolFull(seq) => {
@@ -819,7 +822,8 @@ impl<'a> Engine<'a> {
             self.stats.decode_tokens += generated;
             self.stats.decode_s += elapsed;
             if self.speculative.is_some() {
-                self.cost.record(tokens.len(), elapsed);
+                self.cost
+                    .record(tokens.len(), verify_start.elapsed().as_secs_f64());
             }
         }
         self.stats.peak_kv_tokens = self.stats.peak_kv_tokens.max(self.kv_tokens_in_use());
