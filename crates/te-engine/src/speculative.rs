@@ -34,11 +34,11 @@
 //!
 //! `draft_max: Some(k)` drafts `k` tokens whenever the source has them
 //! (prompt lookup: when the lookup finds them; a draft model: at every
-//! step). By default the length is adaptive and cost-aware: each sequence keeps
-//! an estimate `alpha` of the probability that a drafted token is
-//! accepted (an exponential average over verified positions; while not
-//! drafting, over whether the lookup's first token would have been the
-//! model's), and the engine keeps the cost `c(rows)` of its decode steps
+//! step). By default the length is adaptive and cost-aware: each
+//! sequence keeps an estimate `alpha` of the probability that a drafted
+//! token is accepted (an exponential average over verified positions;
+//! while not drafting, over whether the lookup's first token would have
+//! been the model's), and the engine keeps the cost `c(rows)` of its decode steps
 //! (the measured mean of each row count, and a linear fit `a + b * rows`
 //! for counts not measured yet: a step's cost is not linear, a CPU's
 //! product kernels change path past a few rows). A draft of `k` tokens is
@@ -51,9 +51,11 @@
 //! `k` sequential steps, which every sequence of the step waits for, and
 //! one batched draft step serves all drafting sequences, so the engine
 //! picks one `k` for them ([`model_draft_len`]: the measured draft step
-//! cost enters as `k · d / c(B)`), at most [`MODEL_DRAFT_DEFAULT`]; a
-//! draft-model sequence that stops drafting has no free lookup to learn
-//! from, so its `alpha` drifts back toward the prior and it tries again.
+//! cost enters as `k · d / c(B)`, `c` leaving the draft model's time
+//! out), at most [`MODEL_DRAFT_DEFAULT`], once a plain step of `B` rows
+//! has measured `c(B)`; a draft-model sequence that stops drafting has no
+//! free lookup to learn from, so its `alpha` drifts back toward its prior
+//! (0.8) and it tries again.
 
 use std::collections::HashMap;
 
@@ -86,7 +88,7 @@ pub enum DraftSource {
 /// length's bound: each drafted token costs the draft model a step, and
 /// its drafts fail in bursts that the per-token `alpha` does not see:
 /// allowed 8, the 0.5B drafting for the 1.5B chose 8 at `alpha` ≈ 0.96 and
-/// kept 3.5 a verification, 17.6 tokens/s against 21.0 with 4).
+/// kept 3.5 a verification, 17.6 tokens/s against 20.1 with 4).
 pub const MODEL_DRAFT_DEFAULT: usize = 4;
 
 /// Speculative decoding settings of an engine (every request it runs).
@@ -284,8 +286,8 @@ const PRIOR_ALPHA: f64 = 0.5;
 const ALPHA_RATE: f64 = 0.15;
 /// Starting estimate of `alpha` with a draft model, which is also where
 /// the estimate returns to while the sequence does not draft. A draft
-/// step costs the 0.5B about 0.38 of the 1.5B's step (measured, 2
-/// threads), so a drafted token pays only from `alpha` ≈ 0.55; starting
+/// step of the 0.5B costs about 0.38 of the 1.5B's (25 against 67 ms,
+/// 2 threads), so a drafted token pays only from `alpha` ≈ 0.55; starting
 /// at [`PRIOR_ALPHA`], a code completion's first rejected drafts (its
 /// docstring) stopped drafting for good.
 const MODEL_PRIOR_ALPHA: f64 = 0.8;
