@@ -50,7 +50,7 @@
 //! then runs as plain decode). A draft model's drafts also cost its own
 //! `k` sequential steps, which every sequence of the step waits for, and
 //! one batched draft step serves all drafting sequences, so the engine
-//! picks one `k` for them ([`model_draft_len`]: the measured draft step
+//! picks one `k` for them (`model_draft_len`: the measured draft step
 //! cost enters as `k · d / c(B)`, `c` leaving the draft model's time
 //! out), at most [`MODEL_DRAFT_DEFAULT`], once a plain step of `B` rows
 //! has measured `c(B)`; a draft-model sequence that stops drafting has no
