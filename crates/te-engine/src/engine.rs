@@ -81,7 +81,8 @@ use crate::request::{invalid, DraftLimits, Request, RequestError, RequestId};
 use crate::sampling::{Sampler, TokenLogprobs};
 use crate::scheduler::{Schedule, Scheduler, SchedulerConfig, SeqState};
 use crate::speculative::{
-    model_draft_len, CostModel, DraftModel, DraftSource, DraftWant, Drafter, SpeculativeConfig,
+    model_draft_len, CatchUp, CostModel, DraftModel, DraftPool, DraftSource, DraftWant, Drafter,
+    SpeculativeConfig,
 };
 use crate::text::TextState;
 
@@ -356,7 +357,14 @@ impl<'a> Engine<'a> {
         let chunk = config.prefill_chunk.max(1);
         let (page_size, batch) = (config.page_size, config.max_batch_size);
         let mut engine = Self::new(model, tokenizer, config)?;
-        engine.draft_model = Some(DraftModel::new(draft, kv, page_size, batch, chunk)?);
+        let pool = DraftPool {
+            kv_tokens: kv,
+            page_size,
+            max_batch_size: batch,
+            chunk,
+        };
+        let sharing = engine.prefix_caching();
+        engine.draft_model = Some(DraftModel::new(draft, pool, sharing)?);
         Ok(engine)
     }
 
@@ -882,6 +890,7 @@ impl<'a> Engine<'a> {
                 .map(|seq| DraftWant {
                     id: seq.id,
                     tokens: &seq.tokens,
+                    salt: seq.cache_salt.as_deref(),
                     k: match &seq.data.drafter {
                         Some(d) if seq.decoding() => d.model_len(room(seq), adaptive),
                         _ => 0,
@@ -908,7 +917,7 @@ impl<'a> Engine<'a> {
     }
 
     /// In a prefill step, the draft model (if any) is fed what it lacks of
-    /// each drafting sequence's tokens but the last (the sequences at
+    /// each drafting sequence's computed tokens but the last (the sequences at
     /// `finished`, indices into the running ones with their reasons, are
     /// left out), so that a prompt's draft prefill counts as prefill and
     /// the first decode step drafts at once.
@@ -921,13 +930,19 @@ impl<'a> Engine<'a> {
         let Some(dm) = self.draft_model.as_mut() else {
             return Ok(());
         };
-        let seqs: Vec<(u64, &[u32])> = self
+        // What the target has computed (so a prompt waiting for another's
+        // shared prefix waits here too), without the last token.
+        let seqs: Vec<CatchUp<'_>> = self
             .sched
             .running()
             .iter()
             .enumerate()
             .filter(|(i, s)| s.data.drafter.is_some() && !finished.iter().any(|f| f.0 == *i))
-            .map(|(_, s)| (s.id, &s.tokens[..s.tokens.len().saturating_sub(1)]))
+            .map(|(_, s)| CatchUp {
+                id: s.id,
+                tokens: &s.tokens[..s.fed.min(s.tokens.len().saturating_sub(1))],
+                salt: s.cache_salt.as_deref(),
+            })
             .collect();
         dm.catch_up(&seqs)
     }

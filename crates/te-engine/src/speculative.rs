@@ -479,6 +479,9 @@ pub(crate) struct DraftModel<'a> {
     chunk: usize,
     /// Seconds of the draft steps by their rows ([`model_draft_len`]).
     cost: CostModel,
+    /// Whether sequences share the pages of a common prompt prefix, as
+    /// the target's cache does (the engine's prefix caching).
+    sharing: bool,
 }
 
 /// What [`DraftModel::draft`] is asked for one sequence.
@@ -486,23 +489,47 @@ pub(crate) struct DraftWant<'t> {
     pub id: u64,
     /// The sequence's tokens (its last one not yet fed to the target).
     pub tokens: &'t [u32],
+    /// The request's `cache_salt` (prefix pages are shared only within a
+    /// salt).
+    pub salt: Option<&'t [u8]>,
     /// Tokens to draft.
     pub k: usize,
 }
 
+/// The draft model's KV pool: `kv_tokens` tokens in pages of
+/// `page_size`, for `max_batch_size` sequences fed at most `chunk` tokens
+/// a step.
+pub(crate) struct DraftPool {
+    pub kv_tokens: usize,
+    pub page_size: usize,
+    pub max_batch_size: usize,
+    pub chunk: usize,
+}
+
+/// A sequence [`DraftModel::catch_up`] feeds: its id, the tokens the
+/// target has computed (without its last one) and its `cache_salt`.
+pub(crate) struct CatchUp<'t> {
+    pub id: u64,
+    pub tokens: &'t [u32],
+    pub salt: Option<&'t [u8]>,
+}
+
 impl<'a> DraftModel<'a> {
-    /// A draft model with a pool of `kv_tokens` tokens in pages of
-    /// `page_size`, for `max_batch_size` sequences fed at most `chunk`
-    /// tokens a step.
+    /// A draft model with the KV pool `limits`; `sharing`: prompts share
+    /// their common prefix pages (the engine's prefix caching).
     ///
     /// Errors: the cache cannot be built.
     pub(crate) fn new(
         model: &'a Model,
-        kv_tokens: usize,
-        page_size: usize,
-        max_batch_size: usize,
-        chunk: usize,
+        limits: DraftPool,
+        sharing: bool,
     ) -> Result<Self, EngineError> {
+        let DraftPool {
+            kv_tokens,
+            page_size,
+            max_batch_size,
+            chunk,
+        } = limits;
         let runner = Runner::new(None);
         let cache = runner.new_cache(
             model,
@@ -521,7 +548,39 @@ impl<'a> DraftModel<'a> {
             fed: HashMap::new(),
             chunk,
             cost: CostModel::new(),
+            sharing,
         })
+    }
+
+    /// Enters sequence `id` (computed `tokens` so far, `salt`) into the
+    /// draft cache on the registered pages its tokens begin with, when
+    /// sharing and not entered yet; a sequence entered without sharing
+    /// starts empty at its first step.
+    ///
+    /// Errors: the cache refused the sequence (an internal invariant: the
+    /// draft cache holds as many sequences as the engine runs).
+    fn enter(&mut self, id: u64, tokens: &[u32], salt: Option<&[u8]>) -> Result<(), EngineError> {
+        if !self.sharing || tokens.len() < 2 || self.fed.contains_key(&id) {
+            return Ok(());
+        }
+        // At least one token left to compute: its row drafts.
+        let hit = self
+            .cache
+            .attach_salted_prefix(id, tokens, tokens.len() - 1, salt)?;
+        self.fed.insert(id, hit);
+        Ok(())
+    }
+
+    /// Registers the full pages of `id`'s fed tokens, `tokens[..fed]`
+    /// (never drafted ones), for later sequences to share.
+    ///
+    /// Errors: the cache refused (an internal invariant).
+    fn register(&mut self, id: u64, tokens: &[u32]) -> Result<(), EngineError> {
+        let fed = self.fed.get(&id).copied().unwrap_or(0);
+        if self.sharing && fed <= tokens.len() {
+            self.cache.register_prefix(id, &tokens[..fed])?;
+        }
+        Ok(())
     }
 
     /// The drafts of `wants` (empty where none): each sequence's cache is
@@ -533,6 +592,9 @@ impl<'a> DraftModel<'a> {
     /// Errors: a failing draft forward.
     pub(crate) fn draft(&mut self, wants: &[DraftWant<'_>]) -> Result<Vec<Vec<u32>>, EngineError> {
         let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); wants.len()];
+        for w in wants.iter().filter(|w| w.k > 0) {
+            self.enter(w.id, w.tokens, w.salt)?;
+        }
         // Round 0 catches up and drafts the first token; later rounds one.
         let behind = |w: &DraftWant<'_>| self.fed.get(&w.id).copied().unwrap_or(0) < w.tokens.len();
         let mut active: Vec<usize> = (0..wants.len())
@@ -563,8 +625,12 @@ impl<'a> DraftModel<'a> {
             for (b, (&i, &(id, n))) in active.iter().zip(&steps).enumerate() {
                 let fed = self.fed.entry(id).or_insert(0);
                 *fed += n;
+                if round == 0 {
+                    self.register(id, wants[i].tokens)?;
+                }
+                let fed = self.fed[&id];
                 // Caught up: the row of the sequence's last token drafts.
-                if *fed >= wants[i].tokens.len() {
+                if fed >= wants[i].tokens.len() {
                     drafts[i].push(picks[b]);
                     if drafts[i].len() < wants[i].k {
                         next.push(i);
@@ -582,21 +648,26 @@ impl<'a> DraftModel<'a> {
         &self.cost
     }
 
-    /// Feeds each sequence of `seqs` (id, tokens) up to a chunk of the
-    /// tokens its cache lacks, all in one batched step, drafting nothing: a
-    /// prompt reaches the draft cache in the steps that prefill it into the
-    /// target's (so its time counts as prefill, not decode). Callers pass
-    /// a sequence's tokens without its last one, which the first draft
-    /// round feeds to draft from.
+    /// Feeds each sequence of `seqs` up to a chunk of the tokens its cache
+    /// lacks, all in one batched step, drafting nothing: a prompt reaches
+    /// the draft cache in the steps that prefill it into the target's (so
+    /// its time counts as prefill, not decode). Callers pass the tokens
+    /// the target has computed, without a sequence's last one, which the
+    /// first draft round feeds to draft from; following the target, a
+    /// prompt that shares its prefix with one still being computed waits
+    /// as the target's does, and then starts on its pages.
     ///
     /// Errors: a failing draft forward.
-    pub(crate) fn catch_up(&mut self, seqs: &[(u64, &[u32])]) -> Result<(), EngineError> {
+    pub(crate) fn catch_up(&mut self, seqs: &[CatchUp<'_>]) -> Result<(), EngineError> {
+        for s in seqs {
+            self.enter(s.id, s.tokens, s.salt)?;
+        }
         let mut steps = Vec::with_capacity(seqs.len());
         let mut tokens = Vec::new();
-        for &(id, seq_tokens) in seqs {
-            let feed = self.behind(id, seq_tokens);
+        for s in seqs {
+            let feed = self.behind(s.id, s.tokens);
             if !feed.is_empty() {
-                steps.push((id, feed.len()));
+                steps.push((s.id, feed.len()));
                 tokens.extend_from_slice(feed);
             }
         }
@@ -605,6 +676,11 @@ impl<'a> DraftModel<'a> {
         }
         for &(id, n) in &steps {
             *self.fed.entry(id).or_insert(0) += n;
+        }
+        for s in seqs {
+            if steps.iter().any(|&(id, _)| id == s.id) {
+                self.register(s.id, s.tokens)?;
+            }
         }
         Ok(())
     }
@@ -687,6 +763,49 @@ impl<'a> DraftModel<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn draft_prompts_start_on_the_registered_pages_of_their_salt() {
+        let m = te_models::loader::load_model(
+            &te_models::source::resolve_model("random:tiny-llama").unwrap(),
+        )
+        .unwrap();
+        let pool = || DraftPool {
+            kv_tokens: 256,
+            page_size: 8,
+            max_batch_size: 4,
+            chunk: 64,
+        };
+        let prompt: Vec<u32> = (0..30).map(|i| 3 + i % 7).collect();
+        let seq = |id, salt| CatchUp {
+            id,
+            tokens: &prompt,
+            salt,
+        };
+        for sharing in [true, false] {
+            let mut dm = DraftModel::new(&m.model, pool(), sharing).unwrap();
+            dm.catch_up(&[seq(1, None)]).unwrap();
+            assert_eq!(dm.fed[&1], 30);
+            // Sharing: sequence 2 starts on sequence 1's three full pages
+            // (24 of the 29 tokens that may be cached: one is left to
+            // compute); sequence 3, of another salt, on none.
+            dm.enter(2, &prompt, None).unwrap();
+            dm.enter(3, &prompt, Some(b"other")).unwrap();
+            let fed = |dm: &DraftModel<'_>, id| dm.fed.get(&id).copied();
+            if sharing {
+                assert_eq!((fed(&dm, 2), fed(&dm, 3)), (Some(24), Some(0)));
+            } else {
+                assert_eq!((fed(&dm, 2), fed(&dm, 3)), (None, None));
+            }
+            dm.catch_up(&[seq(1, None), seq(2, None), seq(3, Some(b"other"))])
+                .unwrap();
+            for id in [1, 2, 3] {
+                assert_eq!(dm.fed[&id], 30, "sharing {sharing}, sequence {id}");
+                assert_eq!(dm.cache.cached_tokens(id), 30);
+            }
+            dm.cache.check_consistency().unwrap();
+        }
+    }
 
     /// Extra costs of `row_cost` per row.
     fn flat(row_cost: f64) -> ExtraCosts {

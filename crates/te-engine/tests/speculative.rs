@@ -443,3 +443,64 @@ fn draft_model_tokens_are_plain_decodings() {
         }
     }
 }
+
+/// Prompts that share a prefix share its pages in the draft model's cache
+/// too (within a `cache_salt`): with the target drafting for itself, every
+/// greedy draft is its own next token, so a wrong shared page would show
+/// as a rejected draft; the tokens are plain decoding's.
+#[test]
+fn draft_model_shares_prompt_prefixes_exactly() {
+    let target = load("tiny-llama");
+    let stem = prompt(99, 21, 6);
+    let requests: Vec<Request> = (0..6)
+        .map(|i| {
+            let mut p = stem.clone();
+            p.extend(prompt(i, 3 + i as usize, 6));
+            Request {
+                ignore_eos: true,
+                cache_salt: (i % 2 == 1).then(|| b"salt".to_vec()),
+                ..Request::new(p, 12)
+            }
+        })
+        .collect();
+    let base = EngineConfig {
+        max_batch_size: 6,
+        page_size: 4,
+        prefill_chunk: 16,
+        ..EngineConfig::default()
+    };
+    let (plain, plain_stats) = run(&target, base.clone(), &requests);
+    assert!(plain_stats.prefix_hit_tokens > 0, "{plain_stats:?}");
+    let config = EngineConfig {
+        speculative: Some(SpeculativeConfig {
+            source: DraftSource::Model,
+            draft_max: Some(3),
+            draft_min: 1,
+        }),
+        ..base
+    };
+    let mut engine = Engine::with_draft_model(
+        &target.model,
+        Some(&target.tokenizer),
+        config,
+        &target.model,
+        None,
+    )
+    .unwrap();
+    for r in &requests {
+        engine.add_request(r.clone()).unwrap();
+    }
+    let mut out = Outputs::new();
+    engine
+        .run_to_completion(|e| match e {
+            Event::Token { id, token, .. } => out.entry(id).or_default().0.push(token),
+            Event::Finished { id, reason, .. } => out.entry(id).or_default().1 = Some(reason),
+        })
+        .unwrap();
+    assert_eq!(out, plain);
+    let stats = engine.stats();
+    assert!(
+        stats.verifications > 0 && stats.acceptance_rate() == 1.0,
+        "{stats:?}"
+    );
+}
