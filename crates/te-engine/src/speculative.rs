@@ -623,12 +623,10 @@ impl<'a> DraftModel<'a> {
                 .record(tokens.len(), start.elapsed().as_secs_f64());
             let mut next = Vec::with_capacity(active.len());
             for (b, (&i, &(id, n))) in active.iter().zip(&steps).enumerate() {
-                let fed = self.fed.entry(id).or_insert(0);
-                *fed += n;
+                let fed = *self.fed.entry(id).and_modify(|f| *f += n).or_insert(n);
                 if round == 0 {
                     self.register(id, wants[i].tokens)?;
                 }
-                let fed = self.fed[&id];
                 // Caught up: the row of the sequence's last token drafts.
                 if fed >= wants[i].tokens.len() {
                     drafts[i].push(picks[b]);

@@ -32,7 +32,13 @@ type Outputs = BTreeMap<u64, (Vec<u32>, Option<FinishReason>)>;
 /// Runs `requests` to completion; tokens and finish reasons by id, and the
 /// engine's counters.
 fn run(model: &LoadedModel, config: EngineConfig, requests: &[Request]) -> (Outputs, EngineStats) {
-    let mut engine = Engine::new(&model.model, Some(&model.tokenizer), config).unwrap();
+    let engine = Engine::new(&model.model, Some(&model.tokenizer), config).unwrap();
+    drain(engine, requests)
+}
+
+/// Runs `requests` to completion on `engine`; tokens and finish reasons
+/// by id, and the engine's counters.
+fn drain(mut engine: Engine<'_>, requests: &[Request]) -> (Outputs, EngineStats) {
     for r in requests {
         engine.add_request(r.clone()).unwrap();
     }
@@ -414,7 +420,7 @@ fn draft_model_tokens_are_plain_decodings() {
             }),
             ..base.clone()
         };
-        let mut engine = Engine::with_draft_model(
+        let engine = Engine::with_draft_model(
             &target.model,
             Some(&target.tokenizer),
             config,
@@ -422,18 +428,8 @@ fn draft_model_tokens_are_plain_decodings() {
             Some(1000),
         )
         .unwrap();
-        for r in &requests {
-            engine.add_request(r.clone()).unwrap();
-        }
-        let mut out = Outputs::new();
-        engine
-            .run_to_completion(|e| match e {
-                Event::Token { id, token, .. } => out.entry(id).or_default().0.push(token),
-                Event::Finished { id, reason, .. } => out.entry(id).or_default().1 = Some(reason),
-            })
-            .unwrap();
+        let (out, stats) = drain(engine, &requests);
         assert_eq!(out, plain, "{name}");
-        let stats = engine.stats();
         assert!(stats.verifications > 0, "{name}: {stats:?}");
         if name == "the target itself" {
             assert!(
@@ -479,7 +475,7 @@ fn draft_model_shares_prompt_prefixes_exactly() {
         }),
         ..base
     };
-    let mut engine = Engine::with_draft_model(
+    let engine = Engine::with_draft_model(
         &target.model,
         Some(&target.tokenizer),
         config,
@@ -487,18 +483,8 @@ fn draft_model_shares_prompt_prefixes_exactly() {
         None,
     )
     .unwrap();
-    for r in &requests {
-        engine.add_request(r.clone()).unwrap();
-    }
-    let mut out = Outputs::new();
-    engine
-        .run_to_completion(|e| match e {
-            Event::Token { id, token, .. } => out.entry(id).or_default().0.push(token),
-            Event::Finished { id, reason, .. } => out.entry(id).or_default().1 = Some(reason),
-        })
-        .unwrap();
+    let (out, stats) = drain(engine, &requests);
     assert_eq!(out, plain);
-    let stats = engine.stats();
     assert!(
         stats.verifications > 0 && stats.acceptance_rate() == 1.0,
         "{stats:?}"
