@@ -201,6 +201,60 @@ pub fn check_top20_files(model_name: &str, atol: f64) {
     }
 }
 
+/// What `--precision int8` costs on a model's top-20 references: the worst
+/// |logit − float64 reference| over every listed id at position 0 and at
+/// the other positions, the rows whose argmax is still the reference's,
+/// and the rows (printing each row's worst difference).
+pub fn int8_top20_deviation(model_name: &str) -> ([f64; 2], usize, usize) {
+    let source =
+        te_models::source::resolve_model(model_name).expect("run `cargo xtask fetch-models`");
+    let mut loaded = te_models::loader::load_model(&source).unwrap();
+    loaded
+        .model
+        .weights
+        .set_precision(te_kernels::matmul::Precision::Int8);
+    let model = &loaded.model;
+    let vocab = model.config.vocab_size;
+    let (mut worst, mut same, mut total) = ([0.0f64; 2], 0, 0);
+    for name in ["top20_capital.json", "top20_code.json"] {
+        let reference = read_json(model_name, name);
+        let tokens = ids(&reference["token_ids"]);
+        let mut cache = model
+            .new_cache(
+                1,
+                tokens.len(),
+                tokens.len(),
+                te_cache::CacheLayout::Contiguous,
+            )
+            .unwrap();
+        cache.pre_step(&[(0, tokens.len())]).unwrap();
+        let logits = model.forward(&tokens, &mut cache, Logits::All).unwrap();
+        for row in reference["rows"].as_array().expect("rows") {
+            let p = row["pos"].as_u64().unwrap() as usize;
+            let got = &logits[p * vocab..(p + 1) * vocab];
+            let want_ids = ids(&row["ids"]);
+            let mut row_worst = 0.0f64;
+            for (id, w) in want_ids.iter().zip(row["logits"].as_array().unwrap()) {
+                row_worst = row_worst.max((got[*id as usize] as f64 - w.as_f64().unwrap()).abs());
+            }
+            let w = &mut worst[usize::from(p > 0)];
+            *w = w.max(row_worst);
+            let argmax = (0..vocab).fold(0, |b, i| if got[i] > got[b] { i } else { b });
+            eprintln!(
+                "{model_name} {name} position {p}: worst {row_worst:.3}, argmax {}",
+                if argmax as u32 == want_ids[0] {
+                    "kept"
+                } else {
+                    "changed"
+                }
+            );
+            same += usize::from(argmax as u32 == want_ids[0]);
+            total += 1;
+        }
+    }
+    (worst, same, total)
+}
+
 /// `te tokenize --json` equals `ids` of every `tokenize.jsonl` line, and
 /// `ids_no_parse_special` with `--no-parse-special`.
 pub fn check_tokenize(model: &str) {

@@ -1,7 +1,8 @@
 //! Quantized matrix products (`Linear::forward_into`, te-kernels'
 //! `matmul` kernel) against same-run baselines.
 //!
-//! Decode (`t` = 1): bytes of weights read per second against the read
+//! Decode (`t` = 1, exact, and Q4_K and Q6_K also with 8-bit activations,
+//! `--precision int8`): bytes of weights read per second against the read
 //! bandwidth of a parallel sum over a buffer of the same size, measured in
 //! the same run. The weights (~64 MiB, and a 178 MB row read from a file
 //! map as a model's layers are) are larger than the last-level cache, as
@@ -13,6 +14,7 @@
 
 use crate::best_of;
 use te_formats::{WeightBytes, WeightData};
+use te_kernels::matmul::Precision;
 use te_kernels::quant::{dequantize, GgmlType};
 use te_models::ops::Linear;
 
@@ -69,7 +71,22 @@ pub fn decode_rows() -> anyhow::Result<Vec<String>> {
         let row_bytes = k / block_len * block_bytes;
         let n = (64 << 20) / row_bytes / 256 * 256;
         let data = weights(ty, f16_at, n, k);
-        rows.push(decode_row(&ty.name(), ty, data.into(), n, k)?);
+        rows.push(decode_row(
+            &ty.name(),
+            ty,
+            data.into(),
+            n,
+            k,
+            Precision::Exact,
+        )?);
+    }
+    // The K types again with 8-bit activations (`--precision int8`).
+    for (ty, f16_at) in &TYPES[3..] {
+        let (block_len, block_bytes) = ty.block_layout().expect("block type");
+        let n = (64 << 20) / (k / block_len * block_bytes) / 256 * 256;
+        let data = weights(*ty, f16_at, n, k);
+        let label = format!("{} int8", ty.name());
+        rows.push(decode_row(&label, *ty, data.into(), n, k, Precision::Int8)?);
     }
     let (ty, n, k) = (GgmlType::Q8_0, 262144, 640);
     let path = std::env::temp_dir().join(format!("te-bench-q8_0-{}.bin", std::process::id()));
@@ -82,24 +99,34 @@ pub fn decode_rows() -> anyhow::Result<Vec<String>> {
     let map = unsafe { memmap2::Mmap::map(&file?)? };
     let len = map.len();
     let data = WeightBytes::mapped(std::sync::Arc::new(map), 0..len);
-    rows.push(decode_row("Q8_0 (file map)", ty, data, n, k)?);
+    rows.push(decode_row(
+        "Q8_0 (file map)",
+        ty,
+        data,
+        n,
+        k,
+        Precision::Exact,
+    )?);
     Ok(rows)
 }
 
 /// One decode row: `lin.forward_into` at t = 1 on `[n, k]` weights of
-/// `ty`, against a parallel sum over as many bytes in the same run.
+/// `ty` in `precision`, against a parallel sum over as many bytes in the
+/// same run.
 fn decode_row(
     label: &str,
     ty: GgmlType,
     data: WeightBytes,
     n: usize,
     k: usize,
+    precision: Precision,
 ) -> anyhow::Result<String> {
     let size = data.len();
-    let lin = Linear::new("bench", WeightData::Quantized { ty, data }, n, k)?;
+    let mut lin = Linear::new("bench", WeightData::Quantized { ty, data }, n, k)?;
+    lin.precision = precision;
     let x: Vec<f32> = (0..k).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
     let mut y = vec![0f32; n];
-    let mut scratch = Vec::new();
+    let mut scratch = te_kernels::matmul::Scratch::default();
     let secs = best_of(5, || lin.forward_into(&x, 1, &mut y, &mut scratch));
     let gbps = size as f64 / secs / 1e9;
     let read = crate::bench_limits::read_bandwidth(&vec![1.0f32; size / 4]);
@@ -134,7 +161,7 @@ pub fn prefill_rows() -> anyhow::Result<Vec<String>> {
         for t in [32usize, 128, 512] {
             let x: Vec<f32> = (0..t * k).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
             let mut y = vec![0f32; t * n];
-            let mut scratch = Vec::new();
+            let mut scratch = te_kernels::matmul::Scratch::default();
             let secs = best_of(3, || lin.forward_into(&x, t, &mut y, &mut scratch));
             // The replaced path: blocks of 256 rows dequantized, then an
             // f32 GEMM into their columns of y.

@@ -79,7 +79,7 @@ impl DraftArgs {
     }
 }
 
-/// Loads `--model-draft`, if given, and checks that its vocabulary is
+/// Loads `--model-draft`, if given (in the target's `--precision`), and checks that its vocabulary is
 /// `target`'s: the same size in the model and the tokenizer, and every
 /// token the same piece.
 ///
@@ -89,7 +89,8 @@ pub fn load_draft(args: &DraftArgs, target: &LoadedModel) -> anyhow::Result<Opti
     let Some(spec) = &args.model_draft else {
         return Ok(None);
     };
-    let draft = crate::load(spec)?;
+    // The draft model multiplies in the target's precision.
+    let draft = crate::load(spec, target.model.weights.embed_tokens.precision)?;
     let (v, dv) = (
         target.model.config.vocab_size,
         draft.model.config.vocab_size,

@@ -172,6 +172,31 @@ pub struct DeviceArg {
     /// launch. Needs a GPU device (an error with `--device cpu`).
     #[arg(long)]
     pub cuda_graphs: bool,
+    #[command(flatten)]
+    pub precision: PrecisionArg,
+}
+
+/// `--precision`: how the CPU multiplies activations with quantized
+/// weights.
+#[derive(clap::Args, Clone, Copy, Debug)]
+pub struct PrecisionArg {
+    /// `exact` (default): f32 activations times each weight's exact value,
+    /// the reference tests' arithmetic. `int8`: Q4_K and Q6_K matrices
+    /// multiply activations rounded to 8 bits per block of 256 with integer
+    /// dot products (llama.cpp's arithmetic for these types; other types
+    /// stay exact): faster decode on CPUs bound by decoding the weights,
+    /// logits moved by the rounding (docs/benchmarks.md gives how much).
+    /// A row's logits stay bit-identical in any batch. CPU only.
+    #[arg(long, default_value = "exact", value_parser = parse_precision)]
+    pub precision: te_kernels::matmul::Precision,
+}
+
+fn parse_precision(s: &str) -> Result<te_kernels::matmul::Precision, String> {
+    match s {
+        "exact" => Ok(te_kernels::matmul::Precision::Exact),
+        "int8" => Ok(te_kernels::matmul::Precision::Int8),
+        _ => Err(format!("`{s}` is not a precision: use exact or int8")),
+    }
 }
 
 fn parse_device(s: &str) -> Result<te_models::cuda::Device, String> {
@@ -193,7 +218,13 @@ fn load_on(spec: &str, device: &DeviceArg, context: Option<usize>) -> anyhow::Re
     if device.cuda_graphs && gpu.is_none() {
         anyhow::bail!("--cuda-graphs needs a GPU: --device auto found none");
     }
-    let loaded = load(spec)?;
+    let precision = device.precision.precision;
+    if gpu.is_some() && precision != te_kernels::matmul::Precision::Exact {
+        anyhow::bail!(
+            "--precision int8 is a CPU mode: use --device cpu, or leave --precision exact"
+        );
+    }
+    let loaded = load(spec, precision)?;
     let gpu = match gpu {
         None => None,
         Some(cuda) => {
@@ -224,11 +255,16 @@ pub(crate) struct Placed {
     pub gpu: Option<std::sync::Arc<te_models::cuda::CudaModel>>,
 }
 
-/// Resolves and loads `--model`, reporting progress on stderr.
-fn load(spec: &str) -> anyhow::Result<te_models::loader::LoadedModel> {
+/// Resolves and loads `--model`, reporting progress on stderr, its
+/// matrices set to multiply in `precision` on the CPU.
+fn load(
+    spec: &str,
+    precision: te_kernels::matmul::Precision,
+) -> anyhow::Result<te_models::loader::LoadedModel> {
     let source = te_models::source::resolve_model(spec)?;
     let start = std::time::Instant::now();
-    let loaded = te_models::loader::load_model(&source)?;
+    let mut loaded = te_models::loader::load_model(&source)?;
+    loaded.model.weights.set_precision(precision);
     alloc_policy::release_free_memory();
     note(format_args!(
         "loaded {} ({}, {} layers) in {:.1} s",

@@ -26,6 +26,8 @@ pub struct Args {
     json: bool,
     #[command(flatten)]
     threads: crate::Threads,
+    #[command(flatten)]
+    precision: crate::PrecisionArg,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -33,7 +35,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut out = crate::stdout();
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("reading {}", args.file.display()))?;
-    let loaded = crate::load(&args.model)?;
+    let loaded = crate::load(&args.model, args.precision.precision)?;
     let model = &loaded.model;
     // Plain text: special-token text is not parsed (llama.cpp does the same).
     let tokens = loaded

@@ -56,7 +56,35 @@
 
 use rayon::prelude::*;
 
+use crate::int8::{self, Q8Block};
+use crate::lanes::reduce16;
 use crate::quant::{dequantize_blocks, GgmlType};
+
+/// How a product multiplies its activations with quantized weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Precision {
+    /// The module's arithmetic: f32 activations times each weight's exact
+    /// f32 value.
+    #[default]
+    Exact,
+    /// Q4_K and Q6_K weights (rows of a multiple of 256 columns) multiply
+    /// activations rounded to 8 bits, with integer dot products (the
+    /// arithmetic of [`crate::int8`]); other weights stay exact. Faster
+    /// where decoding bounds the product (decode on a CPU whose 512-bit
+    /// multiply-adds are two 256-bit halves); the logits move by the
+    /// activations' rounding. Still bit-identical in any batch.
+    Int8,
+}
+
+/// The buffers a product reuses between calls: its decoded weight panels,
+/// accumulators and aligned copy of `x` (f32), and `x` rounded to 8 bits
+/// ([`Precision::Int8`]). Only grows; a decode step allocates nothing once
+/// it has grown.
+#[derive(Default)]
+pub struct Scratch {
+    f32s: Vec<f32>,
+    q8: Vec<Q8Block>,
+}
 
 /// A weight matrix `[n, k]` as the kernel reads it.
 #[derive(Clone, Copy, Debug)]
@@ -241,12 +269,14 @@ struct Input<'a> {
     t: usize,
     /// Columns per row (the weights' row length).
     k: usize,
+    /// `x` rounded to 8 bits, `k / 256` blocks per row, when a product of
+    /// the call is [`Precision::Int8`] (else empty).
+    q8: &'a [Q8Block],
 }
 
 /// A task's weight rows in GGUF blocks, as the register-decoded kernels
 /// read them: `rows` rows of `k` weights of `ty`, `row_bytes` bytes each,
 /// back to back in `data` (`[rows * row_bytes]` bytes).
-#[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 struct QuantRows<'a> {
     ty: GgmlType,
@@ -287,6 +317,9 @@ struct Task<'a> {
     /// Floats of k-blocked accumulator state at the end of the scratch
     /// panel (0 when `k` is one block).
     state_len: usize,
+    /// The weights multiply `x` rounded to 8 bits ([`Precision::Int8`],
+    /// a type of [`int8::supported`]).
+    int8: bool,
 }
 
 /// Up to this many token rows (one AVX-512 register tile), quantized
@@ -307,7 +340,7 @@ fn fused_type(ty: GgmlType) -> bool {
 /// columns `j0 .. j0 + w.rows` of `y`.
 #[cfg(target_arch = "x86_64")]
 fn fused_product(input: Input<'_>, w: QuantRows<'_>, Cols { y, j0 }: Cols) {
-    let Input { x, t, k } = input;
+    let Input { x, t, k, .. } = input;
     let QuantRows {
         ty,
         data,
@@ -364,6 +397,64 @@ fn fused_product(input: Input<'_>, w: QuantRows<'_>, Cols { y, j0 }: Cols) {
     }
 }
 
+/// `y[i, j0 + j] = x_i · w_j` with 8-bit activations (`input.q8`, the
+/// arithmetic of [`crate::int8`]) for the `w.rows` weight rows of a type of
+/// [`int8::supported`] and every token row, 4 weight rows at a time; on
+/// the AVX-512 BW + VNNI kernels with [`Isa::Avx512`] when the CPU has
+/// them, else portable (the same bits). The task must own columns `j0 ..
+/// j0 + w.rows` of `y`; `panel` is its scratch panel (the unpacked weight
+/// tile).
+fn int8_product(
+    isa: Isa,
+    input: Input<'_>,
+    w: QuantRows<'_>,
+    Cols { y, j0 }: Cols,
+    panel: &mut [f32],
+) {
+    let Input { t, k, q8, .. } = input;
+    let QuantRows {
+        ty,
+        data,
+        row_bytes,
+        rows,
+    } = w;
+    debug_assert_eq!(q8.len(), t * k / int8::QK);
+    #[cfg(target_arch = "x86_64")]
+    let simd = isa == Isa::Avx512 && int8::simd();
+    #[cfg(not(target_arch = "x86_64"))]
+    let simd = false;
+    let _ = isa;
+    // The unpacked weight tile lives in the task's panel (a panel of
+    // decoded f32 weights holds at least 4 rows of k floats: more bytes).
+    let kb = k / int8::QK;
+    let buf = &mut bytemuck::cast_slice_mut::<f32, u8>(panel)[..int8::unpacked_bytes(kb)];
+    // Token rows in passes of at most ~512 KiB of rounded activations, so
+    // that the rows every weight tile reads stay in L2 (Qwen2.5-Coder
+    // 1.5B's down projection at 128 rows holds 1.4 MB of them).
+    let pass = (INT8_PASS_BYTES / (kb * std::mem::size_of::<Q8Block>())).max(1);
+    for r0 in (0..t).step_by(pass) {
+        let x = &q8[r0 * kb..(r0 + pass).min(t) * kb];
+        for m0 in (0..rows).step_by(int8::MR) {
+            let mr = int8::MR.min(rows - m0);
+            // Rows past the edge repeat the first one (computed, never stored).
+            let wr: [&[u8]; int8::MR] = std::array::from_fn(|m| {
+                let j = m0 + if m < mr { m } else { 0 };
+                &data[j * row_bytes..(j + 1) * row_bytes]
+            });
+            int8::tile(ty, wr, x, kb, simd, buf, |i, v| {
+                for (m, &v) in v.iter().enumerate().take(mr) {
+                    // SAFETY: r0 + i < t; column j0 + m0 + m is this task's.
+                    unsafe { y.set(r0 + i, j0 + m0 + m, v) };
+                }
+            });
+        }
+    }
+}
+
+/// Bytes of 8-bit activations one pass of [`int8_product`] multiplies
+/// with every weight tile (half of a 1 MiB L2).
+const INT8_PASS_BYTES: usize = 512 * 1024;
+
 /// Up to this many token rows, AVX2 decodes quantized weights in
 /// registers (4 weight rows x 2 token rows x two 8-lane halves fill its
 /// 16 registers with accumulators).
@@ -375,7 +466,7 @@ const FUSED_MAX_ROWS_AVX2: usize = 2;
 /// [`FUSED_MAX_ROWS_AVX2`]; the task must own columns `j0 .. j0 + w.rows`.
 #[cfg(target_arch = "x86_64")]
 fn fused_product_avx2(input: Input<'_>, w: QuantRows<'_>, Cols { y, j0 }: Cols) {
-    let Input { x, t, k } = input;
+    let Input { x, t, k, .. } = input;
     let QuantRows {
         ty,
         data,
@@ -430,9 +521,15 @@ pub fn matmul_into(
     n: usize,
     k: usize,
     y: &mut [f32],
-    scratch: &mut Vec<f32>,
+    scratch: &mut Scratch,
 ) {
-    matmul_many_into_isa(Isa::detect(), x, t, k, [Product { w, n, y }], scratch)
+    let product = Product {
+        w,
+        n,
+        y,
+        precision: Precision::Exact,
+    };
+    matmul_many_into_isa(Isa::detect(), x, t, k, [product], scratch)
 }
 
 /// One of the products [`matmul_many_into`] runs on a shared `x: [t, k]`:
@@ -441,6 +538,7 @@ pub struct Product<'a, 'y> {
     pub w: Weights<'a>,
     pub n: usize,
     pub y: &'y mut [f32],
+    pub precision: Precision,
 }
 
 /// [`matmul_into`] for several weight matrices applied to the same `x`
@@ -454,7 +552,7 @@ pub fn matmul_many_into<const N: usize>(
     t: usize,
     k: usize,
     products: [Product<'_, '_>; N],
-    scratch: &mut Vec<f32>,
+    scratch: &mut Scratch,
 ) {
     matmul_many_into_isa(Isa::detect(), x, t, k, products, scratch)
 }
@@ -467,7 +565,7 @@ pub(crate) fn matmul_many_into_isa<const N: usize>(
     t: usize,
     k: usize,
     products: [Product<'_, '_>; N],
-    scratch: &mut Vec<f32>,
+    scratch: &mut Scratch,
 ) {
     assert_eq!(x.len(), t * k, "matmul: x is not [t, k]");
     for p in &products {
@@ -519,6 +617,18 @@ pub(crate) fn matmul_many_into_isa<const N: usize>(
     .max(1)
     .next_multiple_of(LINE);
     let x_len = if x_aligned(x, k) { 0 } else { t * k };
+    // Int8 products read x rounded to 8 bits, once for all of them.
+    let int8_of = |p: &Product<'_, '_>| {
+        p.precision == Precision::Int8
+            && matches!(p.w, Weights::Quantized { ty, .. } if int8::supported(ty, k))
+    };
+    let q8: &[Q8Block] = if products.iter().any(int8_of) {
+        int8::quantize_rows(x, k, &mut scratch.q8);
+        &scratch.q8[..t * k / int8::QK]
+    } else {
+        &[]
+    };
+    let scratch = &mut scratch.f32s;
     // scratch: [alignment slack][x copy: x_len][panels: tasks * panel_len]
     let need = x_len + tasks * panel_len;
     if scratch.len() < need + LINE - 1 {
@@ -534,18 +644,19 @@ pub(crate) fn matmul_many_into_isa<const N: usize>(
     };
     // The outputs are written only through these pointers from here on.
     let ws = products.map(|p| {
+        let int8 = int8_of(&p);
         let out = Out {
             ptr: p.y.as_mut_ptr(),
             n: p.n,
         };
-        (p.w, out)
+        (p.w, out, int8)
     });
     panels
         .par_chunks_mut(panel_len)
         .enumerate()
         .for_each(|(ti, panel)| {
             let i = first_task.iter().rposition(|&f| f <= ti).unwrap_or(0);
-            let (w, out) = ws[i];
+            let (w, out, int8) = ws[i];
             // This task's weight rows, i.e. columns j0 .. j0 + rows of y.
             let j0 = (ti - first_task[i]) * rows_per_task;
             let task = Task {
@@ -555,8 +666,9 @@ pub(crate) fn matmul_many_into_isa<const N: usize>(
                 rows: rows_per_task.min(out.n - j0),
                 prows,
                 state_len,
+                int8,
             };
-            product_task(isa, Input { x, t, k }, task, panel);
+            product_task(isa, Input { x, t, k, q8 }, task, panel);
         });
 }
 
@@ -572,11 +684,22 @@ fn product_task(isa: Isa, input: Input<'_>, task: Task<'_>, panel: &mut [f32]) {
         rows,
         prows,
         state_len,
+        int8,
     } = task;
     let row_bytes = match w {
         Weights::F32(_) => 0,
         Weights::Quantized { data, .. } => data.len() / out.n,
     };
+    if let (true, Weights::Quantized { ty, data }) = (int8, w) {
+        let w = QuantRows {
+            ty,
+            data: &data[j0 * row_bytes..(j0 + rows) * row_bytes],
+            row_bytes,
+            rows,
+        };
+        int8_product(isa, input, w, Cols { y: out, j0 }, panel);
+        return;
+    }
     // Few token rows: decode in registers (AVX-512 group decoders).
     #[cfg(target_arch = "x86_64")]
     if let Weights::Quantized { ty, data } = w {
@@ -682,7 +805,7 @@ fn panel_product_avx512(
     Cols { y, j0 }: Cols,
     next: &[u8],
 ) {
-    let Input { x, t, k } = input;
+    let Input { x, t, k, .. } = input;
     let Panel { w, ldw, rows } = panel;
     const NR: usize = 6;
     let tiles_m = rows.div_ceil(MR);
@@ -778,7 +901,7 @@ fn panel_product_avx512(
 /// (`w`, row stride `ldw`) and every row of `x: [t, k]`; the task must own
 /// columns `j0 .. j0 + rows` of `y`.
 fn panel_product(isa: Isa, input: Input<'_>, panel: Panel<'_>, Cols { y, j0 }: Cols) {
-    let Input { x, t, k } = input;
+    let Input { x, t, k, .. } = input;
     let Panel { w, ldw, rows } = panel;
     let nr_max = match isa {
         Isa::Avx512 => unreachable!("AVX-512 panels run in panel_product_avx512"),
@@ -869,15 +992,6 @@ pub(crate) fn dot_portable(x: &[f32], w: &[f32]) -> f32 {
         }
     }
     reduce16(&a)
-}
-
-/// The lane tree of the module doc (RMSNorm's sum of squares uses it too).
-#[inline(always)]
-pub fn reduce16(a: &[f32; 16]) -> f32 {
-    let s8: [f32; 8] = std::array::from_fn(|l| a[l] + a[l + 8]);
-    let s4: [f32; 4] = std::array::from_fn(|l| s8[l] + s8[l + 4]);
-    let s2: [f32; 2] = std::array::from_fn(|l| s4[l] + s4[l + 2]);
-    s2[0] + s2[1]
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -1333,8 +1447,17 @@ mod tests {
         let prows = panel_rows(k, t).min(n.div_ceil(MR) * MR);
         let panel =
             (prows * panel_stride(k) + STATE_ROWS * (prows + MR) * 16 + 1).next_multiple_of(LINE);
-        let mut scratch = vec![f32::NAN; t * k + tasks * panel + LINE - 1];
-        matmul_many_into_isa(isa, x, t, k, [Product { w, n, y: &mut y }], &mut scratch);
+        let mut scratch = Scratch {
+            f32s: vec![f32::NAN; t * k + tasks * panel + LINE - 1],
+            q8: Vec::new(),
+        };
+        let product = Product {
+            w,
+            n,
+            y: &mut y,
+            precision: Precision::Exact,
+        };
+        matmul_many_into_isa(isa, x, t, k, [product], &mut scratch);
         y
     }
 
@@ -1536,17 +1659,67 @@ mod tests {
                 let mut ys: Vec<Vec<f32>> = ns.iter().map(|&n| vec![f32::NAN; t * n]).collect();
                 let [y0, y1, y2] = &mut ys[..] else { unreachable!() };
                 let products = [
-                    Product { w: ws[0], n: ns[0], y: y0 },
-                    Product { w: ws[1], n: ns[1], y: y1 },
-                    Product { w: ws[2], n: ns[2], y: y2 },
+                    Product { w: ws[0], n: ns[0], y: y0, precision: Precision::Exact },
+                    Product { w: ws[1], n: ns[1], y: y1, precision: Precision::Exact },
+                    Product { w: ws[2], n: ns[2], y: y2, precision: Precision::Exact },
                 ];
-                let mut scratch = vec![f32::NAN; 3];
+                let mut scratch = Scratch {
+                    f32s: vec![f32::NAN; 3],
+                    q8: Vec::new(),
+                };
                 matmul_many_into_isa(isa, &x, t, k, products, &mut scratch);
                 for i in 0..3 {
                     let alone = run(isa, &x, t, ws[i], ns[i], k);
                     let same = ys[i].iter().zip(&alone).all(|(a, b)| a.to_bits() == b.to_bits());
                     prop_assert!(same, "{:?} product {} ({:?}) t {}", isa, i, TYPES[types[i]].0, t);
                 }
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+
+        /// Int8 products: every output is the reference arithmetic of
+        /// [`int8::dot_portable`] on its own row rounded alone (itself
+        /// checked against float64 in `int8`), whatever `t`, the row's
+        /// place in the batch and the instruction set; an exact product
+        /// (Q4_0, not int8-capable) or an f32 one in the same launch gives
+        /// what it gives alone.
+        #[test]
+        fn int8_rows_equal_the_reference_in_any_batch(
+            seed: u64,
+            q6: bool,
+            n in 1usize..=37,
+            blocks in 1usize..=3,
+            t in prop_oneof![Just(1usize), Just(2), 1usize..=20],
+        ) {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let k = 256 * blocks;
+            let (ty, f16_at): (GgmlType, &[usize]) =
+                if q6 { (GgmlType::Q6_K, &[208]) } else { (GgmlType::Q4_K, &[0, 2]) };
+            let data = random_weights(ty, f16_at, n, k, &mut rng);
+            let other = random_weights(GgmlType::Q4_0, &[0], 5, k, &mut rng);
+            let x: Vec<f32> = (0..t * k).map(|_| rng.gen_range(-3.0f32..3.0)).collect();
+            let row_bytes = data.len() / n;
+            for isa in Isa::available() {
+                let (mut y, mut y_other) = (vec![f32::NAN; t * n], vec![f32::NAN; t * 5]);
+                let products = [
+                    Product { w: Weights::Quantized { ty, data: &data }, n, y: &mut y, precision: Precision::Int8 },
+                    Product { w: Weights::Quantized { ty: GgmlType::Q4_0, data: &other }, n: 5, y: &mut y_other, precision: Precision::Int8 },
+                ];
+                matmul_many_into_isa(isa, &x, t, k, products, &mut Scratch::default());
+                for i in 0..t {
+                    let mut q = Vec::new();
+                    int8::quantize_rows(&x[i * k..(i + 1) * k], k, &mut q);
+                    for j in 0..n {
+                        let want = int8::dot_portable(ty, &data[j * row_bytes..(j + 1) * row_bytes], &q);
+                        let got = y[i * n + j];
+                        prop_assert_eq!(got.to_bits(), want.to_bits(), "{:?} {:?} t {} row {} column {}: {} vs {}", ty, isa, t, i, j, got, want);
+                    }
+                }
+                let alone = run(isa, &x, t, Weights::Quantized { ty: GgmlType::Q4_0, data: &other }, 5, k);
+                prop_assert!(y_other.iter().zip(&alone).all(|(a, b)| a.to_bits() == b.to_bits()), "{:?}: the exact product changed", isa);
             }
         }
     }

@@ -4,7 +4,7 @@
 
 use rayon::prelude::*;
 
-use crate::matmul;
+use crate::lanes;
 
 /// RMSNorm over rows of `x: [rows, dim]`: `y = x / sqrt(mean(x²) + eps) * w`.
 ///
@@ -47,7 +47,7 @@ pub fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
 
 /// `Σ v²` over `row` in 16 lanes (lane `l` sums the squares of the
 /// elements `≡ l (mod 16)` in order, each a multiply then an add), then
-/// the lanes as [`crate::matmul`]'s fixed tree: independent chains, so it
+/// the lanes as [`crate::lanes`]' fixed tree: independent chains, so it
 /// vectorizes, where one running sum waits on every add.
 fn sum_squares(row: &[f32]) -> f32 {
     let mut a = [0.0f32; 16];
@@ -61,7 +61,7 @@ fn sum_squares(row: &[f32]) -> f32 {
     for (a, v) in a.iter_mut().zip(tail) {
         *a += v * v;
     }
-    matmul::reduce16(&a)
+    lanes::reduce16(&a)
 }
 
 /// `x = x + y`, elementwise.

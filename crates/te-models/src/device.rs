@@ -109,7 +109,7 @@ pub trait DeviceOps {
 /// matrix-vector scratch and attention's workspace).
 #[derive(Default)]
 pub struct Cpu {
-    pub(crate) scratch: Vec<f32>,
+    pub(crate) scratch: te_kernels::matmul::Scratch,
     pub(crate) attention: AttentionWorkspace,
 }
 

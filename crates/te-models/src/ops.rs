@@ -5,7 +5,7 @@
 use rayon::prelude::*;
 
 use te_formats::WeightData;
-use te_kernels::matmul::{self, Weights};
+use te_kernels::matmul::{self, Precision, Scratch, Weights};
 use te_kernels::norm::add_inplace;
 use te_kernels::quant::dequantize_blocks;
 
@@ -22,6 +22,10 @@ pub struct Linear {
     pub bias: Option<Vec<f32>>,
     pub out_features: usize,
     pub in_features: usize,
+    /// How the product multiplies activations with quantized weights
+    /// ([`Precision::Exact`] unless the model was set to int8 with
+    /// [`crate::weights::ModelWeights::set_precision`]).
+    pub precision: Precision,
 }
 
 impl Linear {
@@ -54,6 +58,7 @@ impl Linear {
             bias: None,
             out_features,
             in_features,
+            precision: Precision::Exact,
         })
     }
 
@@ -77,16 +82,17 @@ impl Linear {
     /// `x: [t, in_features]` -> `y: [t, out_features]`, bias added.
     pub fn forward(&self, x: &[f32], t: usize) -> Vec<f32> {
         let mut y = vec![0.0f32; t * self.out_features];
-        self.forward_into(x, t, &mut y, &mut Vec::new());
+        self.forward_into(x, t, &mut y, &mut Scratch::default());
         y
     }
 
     /// [`forward`](Self::forward) into `y: [t, out_features]`, with
     /// `scratch` reused across calls (the kernel's decoded weight panels
-    /// and accumulators): decode allocates nothing
-    /// once `scratch` has grown. Each output row is bit-identical for any
-    /// `t` and any position in the batch ([`te_kernels::matmul`]).
-    pub fn forward_into(&self, x: &[f32], t: usize, y: &mut [f32], scratch: &mut Vec<f32>) {
+    /// and accumulators, `x` rounded to 8 bits in int8 precision): decode
+    /// allocates nothing once `scratch` has grown. Each output row is
+    /// bit-identical for any `t` and any position in the batch
+    /// ([`te_kernels::matmul`]).
+    pub fn forward_into(&self, x: &[f32], t: usize, y: &mut [f32], scratch: &mut Scratch) {
         Linear::forward_many_into([self], x, t, [y], scratch)
     }
 
@@ -104,7 +110,7 @@ impl Linear {
         x: &[f32],
         t: usize,
         mut ys: [&mut [f32]; N],
-        scratch: &mut Vec<f32>,
+        scratch: &mut Scratch,
     ) {
         let k = ls.first().map_or(0, |l| l.in_features);
         assert!(
@@ -127,6 +133,7 @@ impl Linear {
                 },
                 n: l.out_features,
                 y: outs.next().expect("one output per layer"),
+                precision: l.precision,
             })
         };
         matmul::matmul_many_into(x, t, k, products, scratch);

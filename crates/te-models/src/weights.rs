@@ -10,6 +10,8 @@ use crate::config::ModelConfig;
 use crate::family::{NameScheme, TensorNames};
 use te_formats::TensorSource;
 
+use te_kernels::matmul::Precision;
+
 use crate::ops::Linear;
 use crate::validate::{check_tensors, expected_tensors};
 use crate::{ModelError, Result};
@@ -122,6 +124,31 @@ fn expect_shape(name: &str, got: &[usize], expected: &[usize]) -> Result<()> {
 }
 
 impl ModelWeights {
+    /// Sets how every matrix of the model multiplies its activations on
+    /// the CPU ([`Precision::Int8`]: Q4_K and Q6_K matrices with 8-bit
+    /// activations, the others exact; see `te_kernels::int8`). The CUDA
+    /// upload ignores it.
+    pub fn set_precision(&mut self, precision: Precision) {
+        let set = |l: &mut Linear| l.precision = precision;
+        set(&mut self.embed_tokens);
+        if let Some(head) = &mut self.lm_head {
+            set(head);
+        }
+        for l in &mut self.layers {
+            for w in [
+                &mut l.q_proj,
+                &mut l.k_proj,
+                &mut l.v_proj,
+                &mut l.o_proj,
+                &mut l.gate_proj,
+                &mut l.up_proj,
+                &mut l.down_proj,
+            ] {
+                set(w);
+            }
+        }
+    }
+
     /// Checks the tensors of `src` against `cfg`
     /// ([`crate::validate::check_tensors`]: every needed tensor present with
     /// the shape the config implies, none unused, every type readable),

@@ -61,6 +61,8 @@ pub struct Args {
     model: String,
     #[command(flatten)]
     threads: crate::Threads,
+    #[command(flatten)]
+    precision: crate::PrecisionArg,
     /// Address to listen on (loopback by default; 0.0.0.0 for every
     /// interface).
     #[arg(long, default_value = "127.0.0.1")]
@@ -192,7 +194,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .with_context(|| format!("binding {}:{}", args.host, args.port))?;
     tcp.set_nonblocking(true)
         .context("making the listening socket non-blocking")?;
-    let loaded = Arc::new(crate::load(&args.model)?);
+    let loaded = Arc::new(crate::load(&args.model, args.precision.precision)?);
     if loaded.tokenizer.chat_template().is_none() {
         crate::note(format_args!(
             "{} has no chat template (a base model): /v1/chat/completions and the chat page \

@@ -33,6 +33,7 @@ use crate::KernelError;
 mod format;
 mod portable;
 
+pub(crate) use format::k4_scale_min;
 pub use format::GgmlType;
 use portable::dequantize_blocks_scalar;
 
