@@ -60,12 +60,19 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     let mut threads = 2usize;
     let mut rounds = 3usize;
     let mut models: Vec<String> = Vec::new();
+    let mut precision = "exact".to_string();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--vs-llama-cpp" => {}
             "--threads" | "-t" => threads = positive(a, it.next())?,
             "--rounds" => rounds = positive(a, it.next())?,
+            "--precision" => match it.next() {
+                Some(p) if p == "exact" || p == "int8" => precision = p.clone(),
+                other => {
+                    bail!("bench --vs-llama-cpp: --precision takes exact or int8 (got {other:?})")
+                }
+            },
             "--model" | "-m" => match it.next() {
                 Some(m) if MODELS.contains(&m.as_str()) => models.push(m.clone()),
                 other => bail!(
@@ -75,7 +82,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             },
             other => bail!(
                 "bench --vs-llama-cpp: unknown argument `{other}` (takes --threads N, --rounds R, \
-                 --model NAME)"
+                 --model NAME, --precision exact|int8)"
             ),
         }
     }
@@ -92,7 +99,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     let t = threads.to_string();
     println!("## te-rs and llama.cpp, same run\n");
     println!(
-        "llama.cpp {} (llama-cpp-python {}, built with {}), {threads} threads, both engines on the same GGUF file, {}.\n",
+        "llama.cpp {} (llama-cpp-python {}, built with {}), {threads} threads, te-rs in {precision} precision (`--precision {precision}`), both engines on the same GGUF file, {}.\n",
         crate::peers::LLAMA_CPP_COMMIT,
         crate::peers::LLAMA_CPP_PYTHON,
         llama.flags,
@@ -162,7 +169,10 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         };
         let run_te = || -> anyhow::Result<Vec<(String, f64, f64)>> {
             crate::peers::single_results(&capture(
-                Command::new(&te).arg("bench").args(bench_args),
+                Command::new(&te)
+                    .arg("bench")
+                    .args(bench_args)
+                    .args(["--precision", &precision]),
                 "te bench",
             )?)
         };
@@ -229,7 +239,8 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         let run_te = || -> anyhow::Result<Vec<Value>> {
             let mut cmd = Command::new(&te);
             cmd.args(["bench", "--batched", "-m", &file, "-t", &t])
-                .args(["--npp", &npp, "--ntg", &ntg, "--npl", &npl, "-o", "jsonl"]);
+                .args(["--npp", &npp, "--ntg", &ntg, "--npl", &npl, "-o", "jsonl"])
+                .args(["--precision", &precision]);
             jsonl(&capture(&mut cmd, "te bench --batched")?)
         };
         let (l, r) = interleave(rounds, te_first, run_llama, run_te)?;
@@ -296,7 +307,8 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
                 "--kv-cache-tokens",
                 &c,
             ])
-            .args(["--max-new-tokens", &n, "--prompt", MEM_PROMPT]);
+            .args(["--max-new-tokens", &n, "--prompt", MEM_PROMPT])
+            .args(["--precision", &precision]);
             peak_rss_kb(cmd, "te generate")
         };
         let (l, r) = alternate(te_first, run_llama, run_te)?;
@@ -318,7 +330,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             let mut cmd = Command::new(&te);
             cmd.args(["generate", "--model", &file, "-t", &t])
                 .args(["--kv-cache-tokens", &c, "--max-new-tokens", "1"])
-                .args(["--prompt", MEM_PROMPT]);
+                .args(["--prompt", MEM_PROMPT, "--precision", &precision]);
             wall_seconds(&mut cmd, "te generate --max-new-tokens 1")
         };
         let (l, r) = interleave(TTFT_RUNS, te_first, run_llama, run_te)?;

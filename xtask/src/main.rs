@@ -37,7 +37,7 @@ fn main() -> anyhow::Result<()> {
                  commands:\n  \
                  test [--gpu]       run every test (fetches the test models first)\n  \
                  bench [SECTION]    kernels, attention, models, engine, serve, context-parallel\n  \
-                 bench --vs-llama-cpp [--threads N] [--rounds R]  te-rs and llama.cpp, same files, same run (2 threads, 3 rounds)\n  \
+                 bench --vs-llama-cpp [--threads N] [--rounds R] [--precision exact|int8]  te-rs and llama.cpp, same files, same run (2 threads, 3 rounds, exact)\n  \
                  kernels            compile crates/*/kernels/*.cu with NVRTC for sm_80 and sm_90\n  \
                  fetch-models [NAME...]  download and verify the test models (all, or those named) into $TE_HOME\n  \
                  gpu-bundle         GPU parity test binaries + run.sh for a GPU machine without Rust\n  \

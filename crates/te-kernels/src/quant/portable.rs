@@ -254,7 +254,7 @@ fn q5_k(b: &[u8], o: &mut [f32]) {
 /// Q6_K block: `ql[128]`, `qh[64]`, `scales: i8[16]`, `d`.
 ///
 /// Element e = 128·h + 32·r + l (h < 2, r < 4, l < 32): low 4 bits are the
-/// low (r even) or high (r odd) nibble of ql\[64·h + 32·(r % 2) + l\]; high
+/// low (r < 2) or high (r ≥ 2) nibble of ql\[64·h + 32·(r % 2) + l\]; high
 /// 2 bits are bits 2·r..2·r+2 of qh\[32·h + l\]; q = bits − 32; scale =
 /// scales\[e / 16\]; value = d·scale·q.
 #[inline(always)]
