@@ -108,11 +108,10 @@ pub fn quantize_rows(x: &[f32], k: usize, out: &mut Vec<Q8Block>) {
     }
 }
 
-/// `v` rounded to the nearest integer, ties to even, for |v| < 2^22 (the
-/// value of `f32::round_ties_even`, with +0.0 for −0.0, without a
-/// library call: adding and taking off
-/// 1.5 · 2^23 leaves no fraction bits, and the addition rounds to nearest
-/// even); activations are at most 127.
+/// `v` rounded to the nearest integer, ties to even, for |v| < 2^22: the
+/// value of `f32::round_ties_even` (+0.0 for −0.0) without its library
+/// call. Adding 1.5 · 2^23 leaves no fraction bits and rounds to nearest
+/// even; taking it off again is exact. Activations are at most 127.
 #[inline(always)]
 fn round_ties_even(v: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0;
@@ -136,12 +135,16 @@ pub(crate) const MR: usize = 4;
 /// with it, instead of unpacking it again for each pair of rows.
 const UNPACK_MIN_ROWS: usize = 4;
 
-/// Bytes of `buf` [`tile`] needs for rows of `kb` blocks.
+/// Bytes of `buf` [`tile`] needs for rows of `kb` blocks (none on the
+/// portable path).
 pub(crate) fn unpacked_bytes(kb: usize) -> usize {
     #[cfg(target_arch = "x86_64")]
     return kb * MR * avx512::UNPACKED;
     #[cfg(not(target_arch = "x86_64"))]
-    return kb * 0;
+    {
+        let _ = kb;
+        0
+    }
 }
 
 /// `store(r, y)` with `y[m] = x_r · w_m` for the `MR` weight rows `w` of

@@ -53,6 +53,13 @@
 //! not start on one (with `k` a multiple of 16) is copied first.
 //! Scratch (the copy, panels, saved accumulators) comes from the caller's
 //! reused buffer.
+//!
+//! A product in [`Precision::Int8`] (Q4_K or Q6_K weights, `k` a multiple
+//! of 256) has its own arithmetic, [`crate::int8`]'s: `x` is rounded to 8
+//! bits once per call for all such products, and each task multiplies
+//! tiles of 4 weight rows with every token row: decoded in registers for
+//! up to 3 rows, unpacked once into the task's panel for more, the rows
+//! in passes of at most 512 KiB of rounded activations.
 
 use rayon::prelude::*;
 
