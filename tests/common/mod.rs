@@ -177,6 +177,22 @@ pub fn check_greedy_batched_with(model: &str, extra: &[&str]) {
     }
 }
 
+/// The logits `[t, vocab]` of `model` at every position of a top-20
+/// reference's `token_ids` (one prefill).
+fn top20_logits(model: &te_models::model::Model, reference: &Value) -> Vec<f32> {
+    let tokens = ids(&reference["token_ids"]);
+    let mut cache = model
+        .new_cache(
+            1,
+            tokens.len(),
+            tokens.len(),
+            te_cache::CacheLayout::Contiguous,
+        )
+        .unwrap();
+    cache.pre_step(&[(0, tokens.len())]).unwrap();
+    model.forward(&tokens, &mut cache, Logits::All).unwrap()
+}
+
 /// Feeding each `top20_*.json`'s `token_ids` gives logits within `atol` of
 /// the reference at every row, with the same argmax.
 pub fn check_top20_files(model_name: &str, atol: f64) {
@@ -186,17 +202,7 @@ pub fn check_top20_files(model_name: &str, atol: f64) {
     let model = &loaded.model;
     for name in ["top20_capital.json", "top20_code.json"] {
         let reference = read_json(model_name, name);
-        let tokens = ids(&reference["token_ids"]);
-        let mut cache = model
-            .new_cache(
-                1,
-                tokens.len(),
-                tokens.len(),
-                te_cache::CacheLayout::Contiguous,
-            )
-            .unwrap();
-        cache.pre_step(&[(0, tokens.len())]).unwrap();
-        let logits = model.forward(&tokens, &mut cache, Logits::All).unwrap();
+        let logits = top20_logits(model, &reference);
         check_top20(&reference, &logits, model.config.vocab_size, atol);
     }
 }
@@ -218,17 +224,7 @@ pub fn int8_top20_deviation(model_name: &str) -> ([f64; 2], usize, usize) {
     let (mut worst, mut same, mut total) = ([0.0f64; 2], 0, 0);
     for name in ["top20_capital.json", "top20_code.json"] {
         let reference = read_json(model_name, name);
-        let tokens = ids(&reference["token_ids"]);
-        let mut cache = model
-            .new_cache(
-                1,
-                tokens.len(),
-                tokens.len(),
-                te_cache::CacheLayout::Contiguous,
-            )
-            .unwrap();
-        cache.pre_step(&[(0, tokens.len())]).unwrap();
-        let logits = model.forward(&tokens, &mut cache, Logits::All).unwrap();
+        let logits = top20_logits(model, &reference);
         for row in reference["rows"].as_array().expect("rows") {
             let p = row["pos"].as_u64().unwrap() as usize;
             let got = &logits[p * vocab..(p + 1) * vocab];

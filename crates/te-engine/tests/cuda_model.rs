@@ -235,27 +235,9 @@ fn tiny(preset: &str) -> Model {
     let mut model = te_models::loader::load_model(&source).unwrap().model;
     // bf16 weights on both devices, so the CPU is the reference of the
     // same model.
-    let round = |l: &mut Linear| {
+    for l in model.weights.matrices_mut() {
         if let WeightData::F32(w) = &mut l.weight {
             *w = round_bf16(w);
-        }
-    };
-    let w = &mut model.weights;
-    round(&mut w.embed_tokens);
-    if let Some(h) = &mut w.lm_head {
-        round(h);
-    }
-    for l in &mut w.layers {
-        for m in [
-            &mut l.q_proj,
-            &mut l.k_proj,
-            &mut l.v_proj,
-            &mut l.o_proj,
-            &mut l.gate_proj,
-            &mut l.up_proj,
-            &mut l.down_proj,
-        ] {
-            round(m);
         }
     }
     model

@@ -320,27 +320,22 @@ mod avx512 {
         unsafe { _mm512_load_si512(v.as_ptr().cast()) }
     }
 
-    /// `n / 16` for i16 lane `n` (Q4_K: two sub-blocks of 32 per chunk).
-    static HALVES: [i16; 32] = {
+    /// `n / width` for each i16 lane `n` of a register.
+    const fn lane_groups(width: usize) -> [i16; 32] {
         let mut v = [0i16; 32];
         let mut n = 0;
         while n < 32 {
-            v[n] = (n / 16) as i16;
+            v[n] = (n / width) as i16;
             n += 1;
         }
         v
-    };
+    }
 
-    /// `n / 8` for i16 lane `n` (Q6_K: four sub-blocks of 16 per chunk).
-    static QUARTERS: [i16; 32] = {
-        let mut v = [0i16; 32];
-        let mut n = 0;
-        while n < 32 {
-            v[n] = (n / 8) as i16;
-            n += 1;
-        }
-        v
-    };
+    /// Q4_K: two sub-blocks of 32 per chunk (`n / 16`).
+    static HALVES: [i16; 32] = lane_groups(16);
+
+    /// Q6_K: four sub-blocks of 16 per chunk (`n / 8`).
+    static QUARTERS: [i16; 32] = lane_groups(8);
 
     /// i16 lane `n` of the result is lane `base + pattern[n]` of `v`.
     #[inline(always)]
@@ -478,10 +473,11 @@ mod avx512 {
             let (bi, m) = (i / MR, i % MR);
             let b = &w[m][bi * block_bytes..][..block_bytes];
             let o: &mut [u8; UNPACKED] = o.try_into().expect("an unpacked block");
+            // SAFETY: this function's features.
+            let blk = unsafe { block::<Q6>(b) };
             // SAFETY: this function's features; each store writes inside
             // `o` (offsets + widths <= UNPACKED).
             unsafe {
-                let blk = block::<Q6>(b);
                 for c in 0..QK / 64 {
                     let (q, sc) = chunk::<Q6>(b, &blk, c);
                     _mm512_storeu_si512(o[64 * c..].as_mut_ptr().cast(), q);
@@ -490,23 +486,8 @@ mod avx512 {
                 _mm256_storeu_si256(o[512..].as_mut_ptr().cast(), _mm512_castsi512_si256(blk.sc));
                 _mm_storeu_si128(o[544..].as_mut_ptr().cast(), blk.mins);
             }
-            o[560..564].copy_from_slice(&blk_d(b, Q6).to_le_bytes());
-            o[564..568].copy_from_slice(&blk_dmin(b, Q6).to_le_bytes());
-        }
-    }
-
-    /// A block's `d` as f32 (Q6_K at byte 208, Q4_K at 0).
-    fn blk_d(b: &[u8], q6: bool) -> f32 {
-        let at = if q6 { 208 } else { 0 };
-        half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
-    }
-
-    /// A Q4_K block's `dmin` as f32 (0 for Q6_K).
-    fn blk_dmin(b: &[u8], q6: bool) -> f32 {
-        if q6 {
-            0.0
-        } else {
-            half::f16::from_le_bytes([b[2], b[3]]).to_f32()
+            o[560..564].copy_from_slice(&blk.d.to_le_bytes());
+            o[564..568].copy_from_slice(&blk.dmin.to_le_bytes());
         }
     }
 

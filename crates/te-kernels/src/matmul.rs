@@ -179,6 +179,9 @@ fn x_aligned(x: &[f32], k: usize) -> bool {
 /// Weight rows of the register tile.
 const MR: usize = 4;
 
+// The int8 tiles take the same weight rows ([`QuantRows::tile`]).
+const _: () = assert!(int8::MR == MR);
+
 /// The fewest weight rows a decoded panel holds, whatever `k`. Each panel
 /// reads all of `x` once, so rows of Qwen2.5-Coder 1.5B's down projection
 /// (`k` = 8960: 7 rows in [`PANEL_BYTES`], rounded down to 4) streamed its
@@ -292,6 +295,21 @@ struct QuantRows<'a> {
     rows: usize,
 }
 
+impl<'a> QuantRows<'a> {
+    /// The [`MR`] weight rows of the tile starting at row `m0`, and how
+    /// many of them are real: rows past the edge repeat the first one
+    /// (computed, never stored).
+    fn tile(&self, m0: usize) -> (usize, [&'a [u8]; MR]) {
+        let mr = MR.min(self.rows - m0);
+        let (data, row_bytes) = (self.data, self.row_bytes);
+        let rows = std::array::from_fn(|m| {
+            let j = m0 + if m < mr { m } else { 0 };
+            &data[j * row_bytes..(j + 1) * row_bytes]
+        });
+        (mr, rows)
+    }
+}
+
 /// The f32 weight rows of one panel: `rows` rows of `k` floats in `w`,
 /// `ldw` floats apart (`ldw >= k`; decoded weights padded to
 /// [`panel_stride`], or f32 weights read in place with `ldw = k`).
@@ -348,20 +366,10 @@ fn fused_type(ty: GgmlType) -> bool {
 #[cfg(target_arch = "x86_64")]
 fn fused_product(input: Input<'_>, w: QuantRows<'_>, Cols { y, j0 }: Cols) {
     let Input { x, t, k, .. } = input;
-    let QuantRows {
-        ty,
-        data,
-        row_bytes,
-        rows,
-    } = w;
+    let QuantRows { ty, rows, .. } = w;
     debug_assert!(t <= FUSED_MAX_ROWS && x.len() == t * k);
     for m0 in (0..rows).step_by(MR) {
-        let mr = MR.min(rows - m0);
-        // Rows past the edge repeat the first one (computed, never stored).
-        let wr: [&[u8]; MR] = std::array::from_fn(|m| {
-            let j = m0 + if m < mr { m } else { 0 };
-            &data[j * row_bytes..(j + 1) * row_bytes]
-        });
+        let (mr, wr) = w.tile(m0);
         let mut out = [[0.0f32; 6]; MR];
         macro_rules! go {
             ($nr:literal) => {{
@@ -419,12 +427,7 @@ fn int8_product(
     panel: &mut [f32],
 ) {
     let Input { t, k, q8, .. } = input;
-    let QuantRows {
-        ty,
-        data,
-        row_bytes,
-        rows,
-    } = w;
+    let QuantRows { ty, rows, .. } = w;
     debug_assert_eq!(q8.len(), t * k / int8::QK);
     #[cfg(target_arch = "x86_64")]
     let simd = isa == Isa::Avx512 && int8::simd();
@@ -441,13 +444,8 @@ fn int8_product(
     let pass = (INT8_PASS_BYTES / (kb * std::mem::size_of::<Q8Block>())).max(1);
     for r0 in (0..t).step_by(pass) {
         let x = &q8[r0 * kb..(r0 + pass).min(t) * kb];
-        for m0 in (0..rows).step_by(int8::MR) {
-            let mr = int8::MR.min(rows - m0);
-            // Rows past the edge repeat the first one (computed, never stored).
-            let wr: [&[u8]; int8::MR] = std::array::from_fn(|m| {
-                let j = m0 + if m < mr { m } else { 0 };
-                &data[j * row_bytes..(j + 1) * row_bytes]
-            });
+        for m0 in (0..rows).step_by(MR) {
+            let (mr, wr) = w.tile(m0);
             int8::tile(ty, wr, x, kb, simd, buf, |i, v| {
                 for (m, &v) in v.iter().enumerate().take(mr) {
                     // SAFETY: r0 + i < t; column j0 + m0 + m is this task's.
@@ -474,21 +472,11 @@ const FUSED_MAX_ROWS_AVX2: usize = 2;
 #[cfg(target_arch = "x86_64")]
 fn fused_product_avx2(input: Input<'_>, w: QuantRows<'_>, Cols { y, j0 }: Cols) {
     let Input { x, t, k, .. } = input;
-    let QuantRows {
-        ty,
-        data,
-        row_bytes,
-        rows,
-    } = w;
+    let QuantRows { ty, rows, .. } = w;
     debug_assert!(t <= FUSED_MAX_ROWS_AVX2 && x.len() == t * k);
     let (block_len, block_bytes) = ty.block_layout().expect("a block type");
     for m0 in (0..rows).step_by(MR) {
-        let mr = MR.min(rows - m0);
-        // Rows past the edge repeat the first one (computed, never stored).
-        let wr: [&[u8]; MR] = std::array::from_fn(|m| {
-            let j = m0 + if m < mr { m } else { 0 };
-            &data[j * row_bytes..(j + 1) * row_bytes]
-        });
+        let (mr, wr) = w.tile(m0);
         let mut out = [[0.0f32; FUSED_MAX_ROWS_AVX2]; MR];
         macro_rules! go {
             ($nr:literal) => {{

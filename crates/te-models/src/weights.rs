@@ -94,6 +94,24 @@ impl<L, V> ModelWeights<L, V> {
         self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
     }
 
+    /// Every matrix of the model: the embedding, the output projection
+    /// when it is not tied, then each layer's seven projections.
+    pub fn matrices_mut(&mut self) -> impl Iterator<Item = &mut L> {
+        std::iter::once(&mut self.embed_tokens)
+            .chain(self.lm_head.as_mut())
+            .chain(self.layers.iter_mut().flat_map(|l| {
+                [
+                    &mut l.q_proj,
+                    &mut l.k_proj,
+                    &mut l.v_proj,
+                    &mut l.o_proj,
+                    &mut l.gate_proj,
+                    &mut l.up_proj,
+                    &mut l.down_proj,
+                ]
+            }))
+    }
+
     /// [`LayerWeights::try_map`] over every weight of the model.
     pub fn try_map<L2, V2, E>(
         &self,
@@ -129,23 +147,8 @@ impl ModelWeights {
     /// activations, the others exact; see `te_kernels::int8`). The CUDA
     /// upload ignores it.
     pub fn set_precision(&mut self, precision: Precision) {
-        let set = |l: &mut Linear| l.precision = precision;
-        set(&mut self.embed_tokens);
-        if let Some(head) = &mut self.lm_head {
-            set(head);
-        }
-        for l in &mut self.layers {
-            for w in [
-                &mut l.q_proj,
-                &mut l.k_proj,
-                &mut l.v_proj,
-                &mut l.o_proj,
-                &mut l.gate_proj,
-                &mut l.up_proj,
-                &mut l.down_proj,
-            ] {
-                set(w);
-            }
+        for l in self.matrices_mut() {
+            l.precision = precision;
         }
     }
 
