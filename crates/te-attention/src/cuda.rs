@@ -23,7 +23,7 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchConfig,
 use te_kernels::cuda::{CudaDevice, CudaElement, KernelSource, LaunchShape};
 use te_kernels::{KvCacheLayout, QkvFormat};
 
-use crate::attention::{AttnMetadata, DotProductAttention, KvLens, Plan, OP};
+use crate::attention::{AttnMetadata, DotProductAttention, KvLens, Plan, SeqLens, OP};
 use crate::error::AttentionError;
 
 /// `kernels/attention.cu` (program name `attention.cu`).
@@ -533,6 +533,18 @@ fn choose_splits(blocks: usize, max_keys: usize, sm_count: usize) -> usize {
     want.min(max_keys / MIN_KEYS_PER_SPLIT).clamp(1, MAX_SPLITS)
 }
 
+/// The one `(window_left, window_right)` the kernel applies to every
+/// sequence (-1: unbounded). [`KeyRange`](crate::mask::KeyRange) clamps a window side to its own
+/// sequence's `sq + skv`, so the sequences' sides differ; the widest one
+/// still reaches every sequence's edge wherever a narrower clamp did, and
+/// an unbounded side is unbounded in every sequence.
+fn launch_window(seqs: &[SeqLens]) -> (i64, i64) {
+    seqs.iter().fold((-1, -1), |(l, r), s| {
+        let (_, sl, sr, _, _) = s.key_range.parts();
+        (l.max(sl), r.max(sr))
+    })
+}
+
 /// The host side of a launch on validated arguments: grid, splits,
 /// parameters and metadata; `None` when no query row exists.
 fn prepare<T>(
@@ -607,7 +619,7 @@ fn prepare<T>(
             layout.ring_len.unwrap_or(0),
         ),
     };
-    let (_, window_left, window_right, _, _) = plan.seqs[0].key_range.parts();
+    let (window_left, window_right) = launch_window(&plan.seqs);
     let params = AttnParams {
         q_rows: plan.q_rows as i64,
         ring_len: ring_len as i64,
@@ -751,6 +763,8 @@ fn run<T: CudaElement>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::mask::KeyRange;
+    use crate::AttnMaskType;
 
     #[test]
     fn splits_only_when_the_gpu_would_idle() {
@@ -767,5 +781,49 @@ mod tests {
     fn shared_memory_of_head_dim_128_fits_48_kib() {
         assert!(shared_bytes(128, 128) <= 48 * 1024);
         assert_eq!(shared_bytes(256, 256), 256 + 4 * (4096 + 8224 + 8192 + 512));
+    }
+    /// Every sequence's bounds under the launch window equal its own
+    /// `KeyRange`'s, with short and empty sequences beside long ones (the
+    /// first sequence's clamp used to be applied to all).
+    #[test]
+    fn launch_window_keeps_every_sequence_s_bounds() {
+        let lens = [(0, 1), (4, 11), (11, 2), (0, 0), (3, 40)];
+        for mask in AttnMaskType::ALL {
+            for window in [
+                None,
+                Some((21, -1)),
+                Some((-1, 3)),
+                Some((2, 5)),
+                Some((0, 0)),
+            ] {
+                let seqs: Vec<SeqLens> = lens
+                    .iter()
+                    .map(|&(sq, skv)| SeqLens {
+                        sq,
+                        key_range: KeyRange::new(mask, window, sq, skv, 0),
+                        row_base: None,
+                    })
+                    .collect();
+                let (l, r) = launch_window(&seqs);
+                for s in &seqs {
+                    let (offset, _, _, first, skv) = s.key_range.parts();
+                    for i in 0..s.sq {
+                        let diag = i as i64 + offset;
+                        let lo = if l >= 0 { (diag - l).max(first) } else { first };
+                        let hi = if r >= 0 {
+                            (diag + r).min(skv - 1)
+                        } else {
+                            skv - 1
+                        };
+                        assert_eq!(
+                            (lo.max(0), hi),
+                            s.key_range.bounds(i),
+                            "{mask:?} {window:?} sq {} skv {skv} row {i}",
+                            s.sq
+                        );
+                    }
+                }
+            }
+        }
     }
 }
