@@ -32,7 +32,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     for a in args {
         if !SECTIONS.contains(&a.as_str()) {
             anyhow::bail!(
-                "unknown bench section `{a}` (expected one of: {}, or `speculative [--smoke]` \
+                "unknown bench section `{a}` (expected one of: {}, or `speculative [--precision exact|int8] [--workload NAME] [--smoke]` \
                  alone; GPU benchmarks are \
                  not written yet, the GPU parity tests run with `cargo xtask test --gpu`)",
                 SECTIONS.join(", ")

@@ -15,7 +15,10 @@
 //! Batch 8 is eight copies of the prompt (their prompt pages shared).
 //! te's draft model (`--model-draft`, the 0.5B, adaptive length) runs at
 //! batch 1 and 8 as well. Prints a markdown table for
-//! docs/benchmarks.md. `--smoke`: the code-editing workload only, 48
+//! docs/benchmarks.md. Options: `--precision exact|int8` (te's
+//! `--precision`, default exact; the draft model runs in the target's),
+//! `--workload code-completion|code-editing|free-chat` (repeatable; all
+//! three by default), `--smoke`: the code-editing workload only, 48
 //! tokens, batch 1, te only (a check that the section runs). Not part of
 //! CI.
 
@@ -89,8 +92,43 @@ fn workloads() -> Vec<(&'static str, String)> {
     ]
 }
 
+/// The workload names `--workload` takes: a workload's name with `-` for
+/// spaces.
+fn workload_arg(name: &str) -> String {
+    name.replace(' ', "-")
+}
+
 pub fn run(args: &[String]) -> anyhow::Result<Vec<String>> {
-    let smoke = args.iter().any(|a| a == "--smoke");
+    let mut smoke = false;
+    let mut precision = "exact".to_string();
+    let mut chosen: Vec<String> = Vec::new();
+    let names: Vec<String> = workloads().iter().map(|(n, _)| workload_arg(n)).collect();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--smoke" => smoke = true,
+            "--precision" => match it.next() {
+                Some(p) if p == "exact" || p == "int8" => precision = p.clone(),
+                other => {
+                    bail!("bench speculative: --precision takes exact or int8 (got {other:?})")
+                }
+            },
+            "--workload" => match it.next() {
+                Some(w) if names.contains(w) => chosen.push(w.clone()),
+                other => bail!(
+                    "bench speculative: --workload takes one of {} (got {other:?})",
+                    names.join(", ")
+                ),
+            },
+            other => bail!(
+                "bench speculative: unknown argument `{other}` (takes --precision exact|int8, \
+                 --workload NAME, --smoke)"
+            ),
+        }
+    }
+    if smoke {
+        chosen = vec![workload_arg("code editing")];
+    }
     crate::fetch_models::fetch(&[TARGET, DRAFT])?;
     let te = crate::build_te(&[])?;
     let llama = if smoke {
@@ -113,18 +151,19 @@ pub fn run(args: &[String]) -> anyhow::Result<Vec<String>> {
     std::fs::create_dir_all(&dir)?;
     let mut rows = vec![
         format!(
-            "{TARGET} target, {threads} threads, greedy, {new_tokens} new tokens; decode tokens/s \
-             (prompt excluded) and acceptance; ratios to te plain at the same batch.\n"
+            "{TARGET} target, {threads} threads, greedy, {new_tokens} new tokens, te-rs in \
+             {precision} precision (`--precision {precision}`); decode tokens/s (prompt \
+             excluded) and acceptance; ratios to te plain at the same batch.\n"
         ),
         "| workload | batch | engine | decode tok/s | vs te plain | acceptance | mean accepted |"
             .into(),
         "|---|---|---|---|---|---|---|".into(),
     ];
     for (name, prompt) in workloads() {
-        if smoke && name != "code editing" {
+        if !chosen.is_empty() && !chosen.contains(&workload_arg(name)) {
             continue;
         }
-        let file = dir.join(format!("{}.txt", name.replace(' ', "-")));
+        let file = dir.join(format!("{}.txt", workload_arg(name)));
         std::fs::write(&file, &prompt)?;
         for batch in if smoke { vec![1] } else { vec![1, 8] } {
             // (--prompt, repeated, keeps the prompt's newlines.)
@@ -133,6 +172,7 @@ pub fn run(args: &[String]) -> anyhow::Result<Vec<String>> {
                 cmd.args([
                     "generate", "--model", &target, "-t", &t, "--json", "--stats",
                 ])
+                .args(["--precision", &precision])
                 .args(["--ignore-eos", "--max-new-tokens", &n])
                 .args(["--max-batch-size", &batch.to_string()]);
                 for _ in 0..batch {
@@ -212,8 +252,8 @@ pub fn run(args: &[String]) -> anyhow::Result<Vec<String>> {
     let _ = std::fs::remove_dir_all(&dir);
     rows.push(String::new());
     rows.push(format!(
-        "Commands: `te generate --model FILE -t {t} --json --stats --ignore-eos --max-new-tokens {n} \
-         --max-batch-size B --prompt PROMPT` (B times) plain, with `--draft-ngram 3`, and with \
+        "Commands: `te generate --model FILE -t {t} --json --stats --precision {precision} \
+         --ignore-eos --max-new-tokens {n} --max-batch-size B --prompt PROMPT` (B times) plain, with `--draft-ngram 3`, and with \
          `--model-draft DRAFT`; \
          `llama-completion -m FILE -t {t} -n {n} -f PROMPT --temp 0 -no-cnv --ignore-eos`; \
          `llama-speculative -m FILE -md DRAFT -t {t} -n {n} -f PROMPT --temp 0 --spec-draft-n-max 8 \
