@@ -32,9 +32,9 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     for a in args {
         if !SECTIONS.contains(&a.as_str()) {
             anyhow::bail!(
-                "unknown bench section `{a}` (expected one of: {}, or `speculative [--precision exact|int8] [--workload NAME] [--smoke]` \
-                 alone; GPU benchmarks are \
-                 not written yet, the GPU parity tests run with `cargo xtask test --gpu`)",
+                "unknown bench section `{a}` (expected one of: {}, or `speculative \
+                 [--precision exact|int8] [--workload NAME] [--smoke]` alone; the GPU \
+                 benchmarks and parity tests run from `cargo xtask gpu-bundle`)",
                 SECTIONS.join(", ")
             );
         }

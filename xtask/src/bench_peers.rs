@@ -67,12 +67,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             "--vs-llama-cpp" => {}
             "--threads" | "-t" => threads = positive(a, it.next())?,
             "--rounds" => rounds = positive(a, it.next())?,
-            "--precision" => match it.next() {
-                Some(p) if p == "exact" || p == "int8" => precision = p.clone(),
-                other => {
-                    bail!("bench --vs-llama-cpp: --precision takes exact or int8 (got {other:?})")
-                }
-            },
+            "--precision" => precision = crate::precision_arg("--vs-llama-cpp", it.next())?,
             "--model" | "-m" => match it.next() {
                 Some(m) if MODELS.contains(&m.as_str()) => models.push(m.clone()),
                 other => bail!(

@@ -107,12 +107,7 @@ pub fn run(args: &[String]) -> anyhow::Result<Vec<String>> {
     while let Some(a) = it.next() {
         match a.as_str() {
             "--smoke" => smoke = true,
-            "--precision" => match it.next() {
-                Some(p) if p == "exact" || p == "int8" => precision = p.clone(),
-                other => {
-                    bail!("bench speculative: --precision takes exact or int8 (got {other:?})")
-                }
-            },
+            "--precision" => precision = crate::precision_arg("speculative", it.next())?,
             "--workload" => match it.next() {
                 Some(w) if names.contains(w) => chosen.push(w.clone()),
                 other => bail!(

@@ -72,6 +72,15 @@ pub(crate) fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
         .fold(f64::INFINITY, f64::min)
 }
 
+/// The value of a bench's `--precision` option (te's `--precision`):
+/// `exact` or `int8`, else an error naming the bench `what`.
+pub fn precision_arg(what: &str, value: Option<&String>) -> anyhow::Result<String> {
+    match value {
+        Some(p) if p == "exact" || p == "int8" => Ok(p.clone()),
+        other => anyhow::bail!("bench {what}: --precision takes exact or int8 (got {other:?})"),
+    }
+}
+
 /// Builds the `te` binary (release, with cargo `features` of te-cli) and
 /// returns its path.
 pub fn build_te(features: &[&str]) -> anyhow::Result<std::path::PathBuf> {
