@@ -33,6 +33,15 @@
 // in shared memory as f32; warp w owns rows 4w..4w+3: lane = key for the
 // scores, lane = output columns (lane + 32 k) for o += p v. Rows past a
 // sequence's length in bshd/sbhd are written as 0 / -inf.
+// attn_decode<R>_<T> (R = 1, 4, 8): the same function for launches of at most
+// R (query, head-in-group) rows per (sequence, KV head) (decode, short
+// verification chunks) and d_qk, d_v <= DEC_MAX_D. Grid (1, h_kv,
+// batch * num_splits), DEC_THREADS threads: the block holds its rows' q in
+// shared memory; warp w walks keys klo + w, klo + w + DEC_WARPS, .. of the
+// split's chunk straight from global memory (lane = columns lane + 32 k, two
+// keys' loads in flight), each with its own online softmax per row; the
+// warps' (m, l, acc) are merged by LSE in shared memory at the end. No key
+// tile is staged, so a block's bytes are its keys' K and V rows, read once.
 // attn_combine_<T>: grid (max query rows, h_q, batch), merges the partials by
 // LSE (lse = m + ln sum exp(lse_s - m), out = sum out_s exp(lse_s - lse); the
 // n-way form of te-attention's merge.rs).
@@ -48,6 +57,10 @@
 #define ATTN_MAX_DV 256                              // output columns per row
 #define ATTN_DV_PER_LANE (ATTN_MAX_DV / 32)
 #define ATTN_SEQ_FIELDS 8
+#define DEC_WARPS 4
+#define DEC_THREADS (DEC_WARPS * 32)
+#define DEC_MAX_D 256                                // d_qk and d_v
+#define DEC_PER_LANE (DEC_MAX_D / 32)
 
 // Mirror of `AttnParams` in crates/te-attention/src/cuda.rs.
 struct AttnParams {
@@ -125,6 +138,26 @@ __device__ __forceinline__ float warp_sum(float x) {
     return x;
 }
 
+// The block's key range (the union of rows [0, rows)'s, both ends
+// non-decreasing in the query), then split `split`'s chunk of it, rounded to
+// `align` keys: [*klo, *khi], empty when *klo > *khi.
+__device__ __forceinline__ void split_keys(const AttnParams& p, const SeqInfo& s, long long r0,
+                                           long long rows, int split, int align, long long* klo,
+                                           long long* khi) {
+    *klo = 0;
+    *khi = -1;
+    if (rows <= 0) return;
+    long long lo, hi, unused;
+    key_bounds(p, s, r0 / p.group, &lo, &unused);
+    key_bounds(p, s, (r0 + rows - 1) / p.group, &unused, &hi);
+    if (lo > hi) return;
+    const long long n = hi - lo + 1;
+    long long chunk = (n + p.num_splits - 1) / p.num_splits;
+    chunk = (chunk + align - 1) / align * align;
+    *klo = lo + split * chunk;
+    *khi = lmin(hi, *klo + chunk - 1);
+}
+
 template <typename T>
 __device__ void attn_fwd(const T* q, const T* k, const T* v, const long long* meta, T* out,
                          float* lse, float* o_part, float* lse_part, const AttnParams p) {
@@ -163,20 +196,8 @@ __device__ void attn_fwd(const T* q, const T* k, const T* v, const long long* me
     }
 
     // The block's key range, then this split's chunk of whole tiles.
-    long long klo = 0, khi = -1;
-    if (r0 < rows_valid) {
-        const long long r_last = lmin(r0 + ATTN_ROWS, rows_valid) - 1;
-        long long lo, hi, unused;
-        key_bounds(p, s, r0 / p.group, &lo, &unused);
-        key_bounds(p, s, r_last / p.group, &unused, &hi);
-        if (lo <= hi) {
-            const long long n = hi - lo + 1;
-            long long chunk = (n + p.num_splits - 1) / p.num_splits;
-            chunk = (chunk + ATTN_BC - 1) / ATTN_BC * ATTN_BC;
-            klo = lo + split * chunk;
-            khi = lmin(hi, klo + chunk - 1);
-        }
-    }
+    long long klo, khi;
+    split_keys(p, s, r0, lmin(r0 + ATTN_ROWS, rows_valid) - r0, split, ATTN_BC, &klo, &khi);
 
     // This warp's rows: visible keys, running max m, sum l, output acc.
     long long row_lo[ATTN_ROWS_PER_WARP], row_hi[ATTN_ROWS_PER_WARP];
@@ -293,6 +314,159 @@ __device__ void attn_fwd(const T* q, const T* k, const T* v, const long long* me
     }
 }
 
+// Loads key j's K and V columns lane + 32 kk (zeros past d, or for j < 0).
+template <typename T>
+__device__ __forceinline__ void load_kv_row(const AttnParams& p, const long long* meta,
+                                            const SeqInfo& s, int b, int g, long long j,
+                                            const T* k, const T* v, int lane,
+                                            float kx[DEC_PER_LANE], float vx[DEC_PER_LANE]) {
+    const long long row = j >= 0 ? kv_row(p, meta, s, b, j) : -1;
+    const T* kr = k + (row * p.h_kv + g) * p.d_qk;
+    const T* vr = v + (row * p.h_kv + g) * p.d_v;
+#pragma unroll
+    for (int kk = 0; kk < DEC_PER_LANE; ++kk) {
+        const int c = lane + 32 * kk;
+        kx[kk] = row >= 0 && c < p.d_qk ? to_f32(kr[c]) : 0.f;
+        vx[kk] = row >= 0 && c < p.d_v ? to_f32(vr[c]) : 0.f;
+    }
+}
+
+// One key for the warp's rows: score (q pre-scaled in q_s), softcap, then
+// the online-softmax update with one exp (the larger of m and the score is
+// the new max) where the key is visible to the row.
+template <int R>
+__device__ __forceinline__ void decode_key(const AttnParams& p, const float* q_s, int rows,
+                                           const long long row_lo[R],
+                                           const long long row_hi[R], long long j,
+                                           int lane, const float kx[DEC_PER_LANE],
+                                           const float vx[DEC_PER_LANE], float m[R],
+                                           float l[R],
+                                           float acc[R][DEC_PER_LANE]) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        if (r >= rows) break;  // uniform
+        float part = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < DEC_PER_LANE; ++kk) {
+            const int c = lane + 32 * kk;
+            if (c < p.d_qk) part = fmaf(q_s[r * p.d_qk + c], kx[kk], part);
+        }
+        float x = warp_sum(part);
+        if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap);
+        if (j < row_lo[r] || j > row_hi[r]) continue;  // uniform
+        float corr = 1.f, pj = 1.f;
+        if (x > m[r]) {
+            corr = expf(m[r] - x);  // 0 when m = -inf
+            m[r] = x;
+        } else {
+            pj = expf(x - m[r]);
+        }
+        l[r] = l[r] * corr + pj;
+#pragma unroll
+        for (int kk = 0; kk < DEC_PER_LANE; ++kk) acc[r][kk] = fmaf(pj, vx[kk], acc[r][kk] * corr);
+    }
+}
+
+template <typename T, int R>
+__device__ void attn_decode(const T* q, const T* k, const T* v, const long long* meta, T* out,
+                            float* lse, float* o_part, float* lse_part, const AttnParams p) {
+    // Shared memory (f32): q [R, d_qk] (scaled), then each warp's
+    // m and l [DEC_WARPS, R] and acc [DEC_WARPS, R, d_v].
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* q_s = (float*)smem_raw;
+    float* m_s = q_s + R * p.d_qk;
+    float* l_s = m_s + DEC_WARPS * R;
+    float* o_s = l_s + DEC_WARPS * R;
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = blockIdx.y;
+    const int b = blockIdx.z / p.num_splits, split = blockIdx.z % p.num_splits;
+    const SeqInfo s = load_seq(meta, b);
+    const int rows = (int)(s.sq * p.group);                                 // real rows
+    const int rows_out = (int)((p.q_thd ? s.sq : p.max_seqlen_q) * p.group);  // + padding
+    if (rows_out == 0) return;  // uniform over the block
+
+    for (int e = tid; e < R * p.d_qk; e += DEC_THREADS) {
+        const int r = e / p.d_qk, c = e % p.d_qk;
+        float x = 0.f;
+        if (r < rows) {
+            const long long i = r / p.group;
+            const int h = g * p.group + r % p.group;
+            x = to_f32(q[((s.q_base + i * s.q_stride) * p.h_q + h) * p.d_qk + c]) * p.scale;
+        }
+        q_s[e] = x;
+    }
+    long long klo, khi;
+    split_keys(p, s, 0, rows, split, 1, &klo, &khi);
+
+    long long row_lo[R], row_hi[R];
+    float m[R], l[R], acc[R][DEC_PER_LANE];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        row_lo[r] = 1;
+        row_hi[r] = 0;
+        if (r < rows) key_bounds(p, s, r / p.group, &row_lo[r], &row_hi[r]);
+        m[r] = neg_inf();
+        l[r] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < DEC_PER_LANE; ++kk) acc[r][kk] = 0.f;
+    }
+    __syncthreads();  // q_s written
+
+    // Two keys per step, both loaded before either is used.
+    for (long long j = klo + warp; j <= khi; j += 2 * DEC_WARPS) {
+        const long long j2 = j + DEC_WARPS <= khi ? j + DEC_WARPS : -1;
+        float kx[DEC_PER_LANE], vx[DEC_PER_LANE], kx2[DEC_PER_LANE], vx2[DEC_PER_LANE];
+        load_kv_row(p, meta, s, b, g, j, k, v, lane, kx, vx);
+        load_kv_row(p, meta, s, b, g, j2, k, v, lane, kx2, vx2);
+        decode_key<R>(p, q_s, rows, row_lo, row_hi, j, lane, kx, vx, m, l, acc);
+        if (j2 >= 0) decode_key<R>(p, q_s, rows, row_lo, row_hi, j2, lane, kx2, vx2, m, l, acc);
+    }
+
+    // Each warp's state to shared memory, then merge the warps by LSE.
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        if (lane == 0) {
+            m_s[warp * R + r] = m[r];
+            l_s[warp * R + r] = l[r];
+        }
+#pragma unroll
+        for (int kk = 0; kk < DEC_PER_LANE; ++kk) {
+            const int c = lane + 32 * kk;
+            if (c < p.d_v) o_s[(warp * R + r) * p.d_v + c] = acc[r][kk];
+        }
+    }
+    __syncthreads();
+    for (int e = tid; e < rows_out * p.d_v; e += DEC_THREADS) {
+        const int r = e / p.d_v, c = e % p.d_v;
+        float mx = neg_inf();
+        for (int w = 0; w < DEC_WARPS; ++w) mx = fmaxf(mx, m_s[w * R + r]);
+        float sum = 0.f, o = 0.f;
+        if (mx != neg_inf()) {
+            for (int w = 0; w < DEC_WARPS; ++w) {
+                const float mw = m_s[w * R + r];
+                if (mw == neg_inf()) continue;
+                const float f = expf(mw - mx);
+                sum = fmaf(l_s[w * R + r], f, sum);
+                o = fmaf(o_s[(w * R + r) * p.d_v + c], f, o);
+            }
+        }
+        const long long i = r / p.group;
+        const int h = g * p.group + r % p.group;
+        const long long q_row = s.q_base + i * s.q_stride;
+        const float val = sum > 0.f ? o / sum : 0.f;
+        const float lse_r = sum > 0.f ? mx + logf(sum) : neg_inf();
+        if (p.num_splits == 1) {
+            out[(q_row * p.h_q + h) * p.d_v + c] = from_f32<T>(val);
+            if (p.has_lse && c == 0) lse[lse_index(p, b, i, h, q_row)] = lse_r;
+        } else if (r < rows) {
+            const long long pr = ((long long)split * p.q_rows + q_row) * p.h_q + h;
+            o_part[pr * p.d_v + c] = val;
+            if (c == 0) lse_part[pr] = lse_r;
+        }
+    }
+}
+
 template <typename T>
 __device__ void attn_combine(const float* o_part, const float* lse_part, const long long* meta,
                              T* out, float* lse, const AttnParams p) {
@@ -327,12 +501,22 @@ __device__ void attn_combine(const float* o_part, const float* lse_part, const l
     if (p.has_lse && threadIdx.x == 0) lse[lse_index(p, b, i, h, q_row)] = lse_r;
 }
 
+#define ATTN_DECODE(R, SUFFIX, T)                                                                     \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS)                                         \
+        attn_decode##R##_##SUFFIX(const T* q, const T* k, const T* v, const long long* meta, T* out,  \
+                                  float* lse, float* o_part, float* lse_part, const AttnParams p) {    \
+        attn_decode<T, R>(q, k, v, meta, out, lse, o_part, lse_part, p);                              \
+    }
+
 #define ATTN_KERNELS(SUFFIX, T)                                                                       \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                                        \
         attn_fwd_##SUFFIX(const T* q, const T* k, const T* v, const long long* meta, T* out,          \
                           float* lse, float* o_part, float* lse_part, const AttnParams p) {            \
         attn_fwd<T>(q, k, v, meta, out, lse, o_part, lse_part, p);                                    \
     }                                                                                                 \
+    ATTN_DECODE(1, SUFFIX, T)                                                                         \
+    ATTN_DECODE(4, SUFFIX, T)                                                                         \
+    ATTN_DECODE(8, SUFFIX, T)                                                                         \
     extern "C" __global__ void attn_combine_##SUFFIX(const float* o_part, const float* lse_part,       \
                                                      const long long* meta, T* out, float* lse,        \
                                                      const AttnParams p) {                             \

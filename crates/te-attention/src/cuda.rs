@@ -10,13 +10,26 @@
 //! a partial `(out, lse)` in f32, and `attn_combine_<dtype>` merges them by
 //! LSE (flash-decoding; the n-way form of [`crate::merge`]).
 //!
+//! Launches of at most 8 (query, head-in-group) rows per sequence and KV
+//! head (decode, and short verification chunks of GQA models) with
+//! `d_qk, d_v <= 256` run `attn_decode<R>_<dtype>` instead (R = 1, 4 or 8
+//! rows, the smallest that holds them: registers scale with R): one block per
+//! (KV head, sequence, split), 4 warps each walking every 4th key of the
+//! block's range straight from global memory (no staged tile, no rows of
+//! padding: the tiled kernel's 16-row blocks leave 15 of 16 rows idle in
+//! MHA decode), merged by LSE in shared memory. Same results within f32
+//! rounding; the split heuristic targets 4 resident blocks per
+//! multiprocessor for it.
+//!
 //! Host side: the arguments are validated with the CPU path's checks, the
 //! per-sequence lengths, row bases and page table go to the device in one
 //! small upload, then one or two launches on [`CudaDevice::stream`]; nothing
 //! is read back. Inputs f32, f16 or bf16 (`T`), f32 accumulation, output in
-//! `T`, lse f32. Limits: `head_dim_v <= 256`; shared memory
-//! `4 (16 d_qk + 32 (d_qk + 1) + 32 d_v + 512) + 256` bytes must fit the
-//! device (d_qk = d_v = 256: 84 352 bytes, 82.4 KiB).
+//! `T`, lse f32. Limits: `head_dim_v <= 256`; shared memory of the tiled
+//! kernel `4 (16 d_qk + 32 (d_qk + 1) + 32 d_v + 512) + 256` bytes must fit
+//! the device (d_qk = d_v = 256: 84 352 bytes, 82.4 KiB); the decode
+//! kernel's is `4 (R d_qk + 4 R (2 + d_v))` bytes (R = 8, d = 256: 40.2
+//! KiB).
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg};
@@ -42,6 +55,12 @@ const THREADS: u32 = 128;
 pub const MAX_HEAD_DIM_V: usize = 256;
 /// Threads per block of `attn_combine_*`.
 const COMBINE_THREADS: u32 = 64;
+/// `attn_decode`'s `DEC_WARPS` and `DEC_MAX_D`: warps per block and the
+/// widest head it serves; its row counts `R` (the most (query,
+/// head-in-group) rows of one sequence and KV head a variant serves).
+const DEC_WARPS: usize = 4;
+const DEC_MAX_D: usize = 256;
+const DEC_ROWS: [usize; 3] = [1, 4, 8];
 
 /// The launch shapes of `attention.cu`'s kernels (for `cargo xtask
 /// kernels`); `attn_fwd`'s dynamic shared memory at its largest, head
@@ -52,6 +71,9 @@ pub const LAUNCHES: &[LaunchShape] = &[
         threads_per_block: THREADS,
         max_dynamic_shared_bytes: shared_bytes(MAX_HEAD_DIM_V, MAX_HEAD_DIM_V) as u32,
     },
+    decode_launch("attn_decode1", 1),
+    decode_launch("attn_decode4", 4),
+    decode_launch("attn_decode8", 8),
     LaunchShape {
         kernel: "attn_combine",
         threads_per_block: COMBINE_THREADS,
@@ -59,12 +81,81 @@ pub const LAUNCHES: &[LaunchShape] = &[
     },
 ];
 
+/// The launch shape of `attn_decode<rows>`.
+const fn decode_launch(kernel: &'static str, rows: usize) -> LaunchShape {
+    LaunchShape {
+        kernel,
+        threads_per_block: 32 * DEC_WARPS as u32,
+        max_dynamic_shared_bytes: decode_shared_bytes(rows, DEC_MAX_D, DEC_MAX_D) as u32,
+    }
+}
+
 /// i64 fields per sequence in the metadata upload (`ATTN_SEQ_FIELDS`).
 const SEQ_FIELDS: usize = 8;
 /// At most this many KV splits.
 const MAX_SPLITS: usize = 64;
-/// The heuristic gives each split at least this many keys.
-const MIN_KEYS_PER_SPLIT: usize = 256;
+
+/// The forward kernel a launch runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    /// `attn_fwd`: 16-row tiles, K/V staged in shared memory.
+    Tiled,
+    /// `attn_decode<rows>`: at most `rows` (1, 4 or 8) rows per block, K/V
+    /// read straight from global memory.
+    Decode(usize),
+}
+
+impl Kernel {
+    /// The kernel for `max_q` query rows per sequence, `group` query heads
+    /// per KV head and head dimensions `d_qk`, `d_v`.
+    fn choose(max_q: usize, group: usize, d_qk: usize, d_v: usize) -> Kernel {
+        let rows = max_q * group;
+        match DEC_ROWS.iter().find(|&&r| rows <= r) {
+            Some(&r) if d_qk <= DEC_MAX_D && d_v <= DEC_MAX_D => Kernel::Decode(r),
+            _ => Kernel::Tiled,
+        }
+    }
+
+    fn name(self) -> String {
+        match self {
+            Kernel::Tiled => "attn_fwd".into(),
+            Kernel::Decode(rows) => format!("attn_decode{rows}"),
+        }
+    }
+
+    fn threads(self) -> u32 {
+        match self {
+            Kernel::Tiled => THREADS,
+            Kernel::Decode(_) => 32 * DEC_WARPS as u32,
+        }
+    }
+
+    /// Grid x: row tiles per (KV head, sequence).
+    fn tiles(self, max_q: usize, group: usize) -> usize {
+        match self {
+            Kernel::Tiled => (max_q * group).div_ceil(ROWS),
+            Kernel::Decode(_) => 1,
+        }
+    }
+
+    fn shared_bytes(self, d_qk: usize, d_v: usize) -> usize {
+        match self {
+            Kernel::Tiled => shared_bytes(d_qk, d_v),
+            Kernel::Decode(rows) => decode_shared_bytes(rows, d_qk, d_v),
+        }
+    }
+
+    /// Blocks per multiprocessor the split heuristic fills (the tiled
+    /// kernel's 82 KiB of shared memory leaves room for about two; the
+    /// decode kernels' registers and shared memory for two to four), and
+    /// the fewest keys it gives a split.
+    fn split_targets(self) -> (usize, usize) {
+        match self {
+            Kernel::Tiled => (1, 256),
+            Kernel::Decode(_) => (4, 128),
+        }
+    }
+}
 
 /// Where K and V come from, on the device (see [`crate::KvInput`]).
 #[derive(Debug)]
@@ -384,13 +475,15 @@ impl DotProductAttention {
         max_seqlen_q: usize,
         max_keys: usize,
     ) -> Result<usize, AttentionError> {
-        let tiles = (max_seqlen_q * self.kv_group()).div_ceil(ROWS);
+        let group = self.kv_group();
+        let kernel = Kernel::choose(max_seqlen_q, group, self.head_dim_qk, self.head_dim_v);
         let sm_count = dev
             .context()
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(cuda_err)? as usize;
         Ok(choose_splits(
-            tiles * self.num_gqa_groups * batch,
+            kernel,
+            kernel.tiles(max_seqlen_q, group) * self.num_gqa_groups * batch,
             max_keys,
             sm_count,
         ))
@@ -404,6 +497,7 @@ impl DotProductAttention {
 /// parameters; only the metadata's contents differ.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CudaAttnLaunch {
+    kernel: Kernel,
     params: AttnParams,
     /// Row tiles (grid x of `attn_fwd`) and query rows per sequence
     /// (grid x of `attn_combine`).
@@ -523,14 +617,23 @@ const fn shared_bytes(d_qk: usize, d_v: usize) -> usize {
     8 * BC + 4 * (ROWS * d_qk + BC * (d_qk + 1) + BC * d_v + ROWS * BC)
 }
 
-/// KV splits: enough blocks for two waves on `sm_count` multiprocessors,
-/// each split keeping at least [`MIN_KEYS_PER_SPLIT`] keys.
-fn choose_splits(blocks: usize, max_keys: usize, sm_count: usize) -> usize {
-    if blocks >= sm_count {
+/// Shared memory of `attn_decode<rows>` (bytes): q, then each warp's m,
+/// l and output rows.
+const fn decode_shared_bytes(rows: usize, d_qk: usize, d_v: usize) -> usize {
+    4 * (rows * d_qk + DEC_WARPS * rows * (2 + d_v))
+}
+
+/// KV splits of `blocks` unsplit blocks of `kernel`: none once they fill
+/// `n` blocks per multiprocessor ([`Kernel::split_targets`]), else enough
+/// for two such waves on `sm_count` multiprocessors, each split keeping
+/// at least the kernel's fewest keys.
+fn choose_splits(kernel: Kernel, blocks: usize, max_keys: usize, sm_count: usize) -> usize {
+    let (per_sm, min_keys) = kernel.split_targets();
+    if blocks >= per_sm * sm_count {
         return 1;
     }
-    let want = (2 * sm_count).div_ceil(blocks.max(1));
-    want.min(max_keys / MIN_KEYS_PER_SPLIT).clamp(1, MAX_SPLITS)
+    let want = (2 * per_sm * sm_count).div_ceil(blocks.max(1));
+    want.min(max_keys / min_keys).clamp(1, MAX_SPLITS)
 }
 
 /// The one `(window_left, window_right)` the kernel applies to every
@@ -568,7 +671,8 @@ fn prepare<T>(
     if max_q == 0 {
         return Ok(None);
     }
-    let tiles = (max_q * group).div_ceil(ROWS);
+    let kernel = Kernel::choose(max_q, group, dqk, dv);
+    let tiles = kernel.tiles(max_q, group);
     let max_keys = plan
         .seqs
         .iter()
@@ -583,7 +687,7 @@ fn prepare<T>(
     let attr = |a| ctx.attribute(a).map_err(cuda_err);
     let sm_count = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
     let splits = num_kv_splits
-        .unwrap_or_else(|| choose_splits(tiles * hkv * b, max_keys, sm_count))
+        .unwrap_or_else(|| choose_splits(kernel, tiles * hkv * b, max_keys, sm_count))
         .min(MAX_SPLITS);
     // gridDim.y and .z are at most 65535: (.., h_kv, b * splits) for
     // attn_fwd, (.., h_q, b) for attn_combine.
@@ -597,7 +701,7 @@ fn prepare<T>(
             ),
         });
     }
-    let smem = shared_bytes(dqk, dv);
+    let smem = kernel.shared_bytes(dqk, dv);
     let smem_max =
         attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize;
     if smem > smem_max {
@@ -644,6 +748,7 @@ fn prepare<T>(
 
     let (k_len, v_len) = kv.tensor_lens();
     Ok(Some(CudaAttnLaunch {
+        kernel,
         params,
         tiles,
         max_q,
@@ -698,7 +803,10 @@ fn run<T: CudaElement>(
         None => dummy.slice_mut(..),
     };
     let fwd = dev
-        .function(ATTENTION_CU, &format!("attn_fwd_{}", T::SUFFIX))
+        .function(
+            ATTENTION_CU,
+            &format!("{}_{}", launch.kernel.name(), T::SUFFIX),
+        )
         .map_err(kernel_err)?;
     if smem > 48 * 1024 {
         fwd.set_attribute(
@@ -713,7 +821,7 @@ fn run<T: CudaElement>(
             hkv as u32,
             (b * splits) as u32,
         ),
-        block_dim: (THREADS, 1, 1),
+        block_dim: (launch.kernel.threads(), 1, 1),
         shared_mem_bytes: smem as u32,
     };
     let mut builder = stream.launch_builder(&fwd);
@@ -768,13 +876,38 @@ mod tests {
 
     #[test]
     fn splits_only_when_the_gpu_would_idle() {
+        let tiled = Kernel::Tiled;
         // Prefill: plenty of blocks.
-        assert_eq!(choose_splits(1000, 4096, 132), 1);
-        // Decode, 1 block, 8192 keys: 264 wanted, capped by keys and MAX_SPLITS.
-        assert_eq!(choose_splits(1, 8192, 132), 32);
-        assert_eq!(choose_splits(1, 1 << 20, 132), MAX_SPLITS);
+        assert_eq!(choose_splits(tiled, 1000, 4096, 132), 1);
+        // 1 block, 8192 keys: 264 wanted, capped by keys and MAX_SPLITS.
+        assert_eq!(choose_splits(tiled, 1, 8192, 132), 32);
+        assert_eq!(choose_splits(tiled, 1, 1 << 20, 132), MAX_SPLITS);
         // Short cache: no split.
-        assert_eq!(choose_splits(4, 100, 132), 1);
+        assert_eq!(choose_splits(tiled, 4, 100, 132), 1);
+        // The decode kernel fills 4 blocks per multiprocessor: batch 8 x
+        // 16 KV heads over 4096 keys wants ceil(1056 / 128) = 9 splits;
+        // batch 64 x 16 heads (1024 blocks) needs none at 528.
+        let decode = Kernel::Decode(1);
+        assert_eq!(choose_splits(decode, 128, 4096, 132), 9);
+        assert_eq!(choose_splits(decode, 1024, 4096, 132), 1);
+        assert_eq!(choose_splits(decode, 16, 4096, 132), 32);
+        assert_eq!(choose_splits(decode, 16, 200, 132), 1);
+    }
+
+    #[test]
+    fn decode_kernels_serve_at_most_8_rows_of_heads_up_to_256() {
+        assert_eq!(Kernel::choose(1, 1, 256, 256), Kernel::Decode(1));
+        assert_eq!(Kernel::choose(1, 2, 64, 64), Kernel::Decode(4));
+        assert_eq!(Kernel::choose(1, 4, 128, 128), Kernel::Decode(4));
+        assert_eq!(Kernel::choose(1, 7, 128, 128), Kernel::Decode(8));
+        assert_eq!(Kernel::choose(2, 4, 64, 64), Kernel::Decode(8));
+        assert_eq!(Kernel::choose(3, 4, 64, 64), Kernel::Tiled);
+        assert_eq!(Kernel::choose(9, 1, 64, 64), Kernel::Tiled);
+        assert_eq!(Kernel::choose(1, 1, 512, 256), Kernel::Tiled);
+        assert_eq!(Kernel::Decode(8).tiles(2, 4), 1);
+        assert_eq!(Kernel::Decode(4).name(), "attn_decode4");
+        assert_eq!(decode_shared_bytes(8, 256, 256), 4 * (2048 + 32 * 258));
+        assert!(decode_shared_bytes(8, DEC_MAX_D, DEC_MAX_D) <= 48 * 1024);
     }
 
     #[test]

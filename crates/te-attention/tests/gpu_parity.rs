@@ -252,21 +252,29 @@ fn random_case(
 #[ignore = "needs a CUDA GPU: cargo xtask test --gpu"]
 fn every_format_source_and_mask_matches_cpu() {
     let dev = gpu_test_device();
-    let mut seed = 1u64;
+    for case in every_kind_of_case(1) {
+        parity_all_dtypes(&dev, &case, None);
+        // Split KV (the combine kernel) with every Q format.
+        parity::<bf16>(&dev, &case, Some(3), 1e-2, 1e-3);
+    }
+}
+
+/// One random case (`random_case`, lengths up to 40) of every Q format,
+/// K/V source and mask, seeded `seed + 1`, `seed + 2`, ...
+fn every_kind_of_case(seed: u64) -> Vec<Case> {
+    let mut cases = Vec::new();
     for q_format in FORMATS {
         for kind in 0..6 {
             for mask in AttnMaskType::ALL {
-                seed += 1;
+                let seed = seed + 1 + cases.len() as u64;
                 let mut rng = StdRng::seed_from_u64(seed);
                 let page_size = [1, 16, 64][rng.gen_range(0..3)];
                 let kv = kv_source(kind, page_size, &mut rng);
-                let case = random_case(q_format, kv, mask, 40, seed);
-                parity_all_dtypes(&dev, &case, None);
-                // Split KV (the combine kernel) with every Q format.
-                parity::<bf16>(&dev, &case, Some(3), 1e-2, 1e-3);
+                cases.push(random_case(q_format, kv, mask, 40, seed));
             }
         }
     }
+    cases
 }
 
 #[test]
@@ -328,6 +336,61 @@ fn split_kv_decode_matches_cpu() {
                 }
                 parity::<f32>(&dev, &case, Some(5), 1e-4, 1e-4);
             }
+        }
+    }
+}
+
+/// The decode kernels (`attn_decode<R>`, at most 8 (query, head-in-group)
+/// rows per sequence and KV head): random cases of every Q format, K/V
+/// source and mask cut to 1-8 rows, with groups of 1, 3, 4, 7 and 8 (each
+/// of R = 1, 4, 8 and the boundaries between them); then long caches at
+/// one query, MHA at d 256 (Gemma-7B's shape) and GQA 7 at d 128
+/// (Qwen2.5-7B's), split 1, forced and heuristic.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo xtask test --gpu"]
+fn decode_kernels_match_cpu() {
+    let dev = gpu_test_device();
+    let mut seed = 4000u64;
+    for mut case in every_kind_of_case(seed) {
+        seed = case.seed;
+        case.group = [1, 3, 4, 7, 8][seed as usize % 5];
+        case.max_seqlen_q = case.max_seqlen_q.min(8 / case.group);
+        for s in &mut case.sq {
+            *s = (*s).min(case.max_seqlen_q);
+        }
+        parity_all_dtypes(&dev, &case, None);
+        parity::<bf16>(&dev, &case, Some(3), 1e-2, 1e-3);
+    }
+    for (group, d) in [(1, 256), (7, 128)] {
+        for ring in [None, Some(1024)] {
+            seed += 1;
+            let mut rng = StdRng::seed_from_u64(seed);
+            let batch = rng.gen_range(1..=4);
+            let skv: Vec<usize> = (0..batch).map(|_| rng.gen_range(1..=3000)).collect();
+            let case = Case {
+                q_format: QkvFormat::Thd,
+                kv: KvSource::Cache {
+                    page_size: 16,
+                    ring_len: ring,
+                },
+                mask: AttnMaskType::PaddingCausalBottomRight,
+                window: ring.map(|r| (r as i64 - 1, 0)),
+                softcap: (group == 1).then_some(50.0),
+                softmax_scale: None,
+                h_kv: 2,
+                group,
+                d_qk: d,
+                d_v: d,
+                sq: vec![1; batch],
+                skv,
+                max_seqlen_q: 1,
+                max_seqlen_kv: 0,
+                seed,
+            };
+            for splits in [Some(1), Some(5), None] {
+                parity::<bf16>(&dev, &case, splits, 1e-2, 1e-3);
+            }
+            parity::<f32>(&dev, &case, None, 1e-4, 1e-4);
         }
     }
 }
