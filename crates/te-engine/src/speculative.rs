@@ -299,12 +299,14 @@ const IDLE_RATE: f64 = 0.04;
 /// The common length of the adaptive draft-model drafts of a step
 /// (`seqs`: each sequence's drafter and room), in a step of `batch`
 /// sequences: the `k` that maximises `sum_s yield_s(k) - batch ·
-/// (verify(k) + k · d / c(batch))`, where `verify(k)` is the relative
-/// cost of the drafted rows in the target's step (`target`), `d` the
-/// seconds of one draft-model step of the drafting sequences (`draft`)
-/// and `c(batch)` of the target's step without drafts: all `batch`
-/// sequences wait for the draft model's `k` sequential steps as for the
-/// extra rows. 0 when no length gains, and while no step of `batch` rows
+/// (verify(k) + (d(n + sum_s yield_s(k)) + (k - 1) · d(n)) / c(batch))`,
+/// where `verify(k)` is the relative cost of the drafted rows in the
+/// target's step (`target`), `d(r)` the seconds of a draft-model step of
+/// `r` rows (`draft`; its first round feeds the `n` drafting sequences'
+/// tokens accepted since their last draft, expected `yield_s`, beside
+/// their last ones) and `c(batch)` of the target's step without drafts:
+/// all `batch` sequences wait for the draft model's `k` sequential steps
+/// as for the extra rows. 0 when no length gains, and while no step of `batch` rows
 /// without drafts has been measured (that step measures it); other costs
 /// not measured yet count as the fit's or the prior row cost
 /// (verification) and as free (drafting), so the next steps draft and
@@ -323,7 +325,8 @@ pub(crate) fn model_draft_len(
         return 0;
     };
     let longest = seqs.iter().map(|(d, room)| d.cap.min(*room)).max();
-    let step = match draft.seconds(seqs.len()) {
+    // Seconds of a draft step of `rows` rows, relative to `c`.
+    let step = |rows: usize| match draft.seconds(rows) {
         Some(d) if c > 0.0 => d / c,
         _ => 0.0,
     };
@@ -336,7 +339,11 @@ pub(crate) fn model_draft_len(
             yield_ += d.expected_yield(n);
             rows += n;
         }
-        let gain = yield_ - batch as f64 * (target.extra_cost(batch, rows) + k as f64 * step);
+        // The first draft round also feeds each sequence's tokens accepted
+        // since its last draft (expected: its yield) beside its last one.
+        let first = step(seqs.len() + yield_.round() as usize);
+        let drafting = first + (k - 1) as f64 * step(seqs.len());
+        let gain = yield_ - batch as f64 * (target.extra_cost(batch, rows) + drafting);
         if gain > best_gain {
             (best, best_gain) = (k, gain);
         }
@@ -938,8 +945,9 @@ mod tests {
             d
         };
         // Target: 0.1 s plus 0.01 a row; draft steps 0.02 s plus 0.001 a
-        // row. One sequence sure of acceptance: gain(k) = k - k · (0.01 +
-        // 0.021) / 0.11, largest at the longest draft.
+        // row. One sequence sure of acceptance: gain(k) = k - (0.01 k +
+        // 0.021 + 0.001 k + 0.021 (k - 1)) / 0.11 (the first round feeds
+        // the k accepted tokens too), largest at the longest draft.
         let target = linear_costs(0.1, 0.01);
         let cheap = linear_costs(0.02, 0.001);
         let sure = drafter(1.0);
@@ -949,16 +957,25 @@ mod tests {
         );
         // Room narrows it.
         assert_eq!(model_draft_len(&[(&sure, 3)], 1, &target, &cheap), 3);
-        // By hand, alpha = 0.5, batch 1: gain(1) = 0.5 - (0.01 + 0.021) /
-        // 0.11 = 0.218; gain(2) = 0.75 - (0.02 + 0.042) / 0.11 = 0.186.
+        // By hand, alpha = 0.5, batch 1 (the first round feeds 1 + 0.5 and
+        // 1 + 0.75 tokens, rounded to 2): gain(1) = 0.5 - (0.01 + 0.022) /
+        // 0.11 = 0.209; gain(2) = 0.75 - (0.02 + 0.022 + 0.021) / 0.11 =
+        // 0.177.
         let half = drafter(0.5);
         assert_eq!(model_draft_len(&[(&half, 100)], 1, &target, &cheap), 1);
+        // Draft steps dear per row (0.005 s plus 0.025 a row): one row
+        // alone would pay (0.5 - (0.01 + 0.03) / 0.11 = 0.136), but the
+        // first round feeds 2 rows: 0.5 - (0.01 + 0.055) / 0.11 = -0.09,
+        // and k = 2: 0.75 - (0.02 + 0.055 + 0.03) / 0.11 = -0.2.
+        let steep = linear_costs(0.005, 0.025);
+        assert_eq!(model_draft_len(&[(&half, 100)], 1, &target, &steep), 0);
         // A draft step as dear as the target's: nothing gains.
         let dear = linear_costs(0.1, 0.01);
         assert_eq!(model_draft_len(&[(&half, 100)], 1, &target, &dear), 0);
         // Eight sequences at alpha 0.5 all wait for every draft step and
-        // every extra row: gain(1) = 8 · 0.5 - 8 · (8 · 0.01 + 0.028) /
-        // 0.18 = -0.8, so no draft, where one sequence alone drafts.
+        // every extra row: gain(1) = 8 · 0.5 - 8 · (8 · 0.01 + 0.032) /
+        // 0.18 = -0.98 (the first round feeds 8 + 4 rows), so no draft,
+        // where one sequence alone drafts.
         let eight = vec![(&half, 100); 8];
         assert_eq!(model_draft_len(&eight, 8, &target, &cheap), 0);
         // Nothing measured: a plain step first, to measure the yardstick;

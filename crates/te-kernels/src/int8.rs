@@ -132,15 +132,19 @@ pub(crate) const MR: usize = 4;
 
 /// From this many rows of `x` on, [`tile`] unpacks the weight tile once
 /// (quants one per byte, scales spread per chunk) and multiplies every row
-/// with it; below, it decodes the tile in registers for each group of 4
-/// rows (then 2, then 1). The unpacked tile is 2.25 times the bytes of the
-/// int8 quants and, for a long row (Qwen2.5-Coder 1.5B's down projection:
-/// 80 KiB), leaves L1, so it pays only for many rows. Zen 4, 2 threads,
-/// Qwen2.5-Coder 1.5B, `te bench -p`, t/s: unpacked pp4 23.5, pp8 30.7,
-/// pp16 43.1, pp32 50-65 (two runs), pp64 78.4; 4-row groups pp4 48.2,
-/// pp8 50.4, pp12 52.8, pp16 58.8, pp32 55.3 (pairs alone: pp4 37.8, pp8
-/// 40.2). Speculative verification's chunks (2 to 17 rows) take the
-/// groups; prefill's longer chunks the unpacked tile.
+/// with it; below, it decodes each weight block in registers once for all
+/// rows (`avx512::rows`; 4 rows exactly, and 1, keep every accumulator in
+/// registers: `avx512::tile`). The unpacked tile is 2.25 times the bytes
+/// of the int8 quants and, for a long row (Qwen2.5-Coder 1.5B's down
+/// projection: 80 KiB), leaves L1, so it pays only for many rows. Zen 4,
+/// 2 threads, Qwen2.5-Coder 1.5B, `te bench -p`, t/s: unpacked pp4 23.5,
+/// pp8 30.7, pp16 43.1, pp32 50-65 (two runs), pp64 78.4; decoded per 4
+/// rows pp4 48.2, pp8 50.4, pp16 58.8. Measured again on 2026-12-04 (a
+/// faster minute of the same host), decoded per 4 rows against once for
+/// all rows: pp3 39-45 / 46-51, pp4 59-60 / 55-57, pp6 58-60 / 63-64, pp8
+/// 57-60 / 69-71, pp16 69-70 / 75-82, pp24 68-69 / 87-88. Speculative
+/// verification's chunks (2 to 17 rows) take the registers; prefill's
+/// longer chunks the unpacked tile.
 const UNPACK_MIN_ROWS: usize = 32;
 
 /// Bytes of `buf` [`tile`] needs for rows of `kb` blocks (none on the
@@ -196,26 +200,20 @@ pub(crate) fn tile(
             }
             return;
         }
-        let row = |r: usize| &x[r * kb..][..kb];
-        let mut r = 0;
-        while r < t {
-            // SAFETY: as above.
-            unsafe {
-                if r + 4 <= t {
-                    let ys = avx512::tile::<4>(ty, w, [row(r), row(r + 1), row(r + 2), row(r + 3)]);
-                    for (i, y) in ys.into_iter().enumerate() {
-                        store(r + i, y);
-                    }
-                    r += 4;
-                } else if r + 2 <= t {
-                    let [a, b] = avx512::tile::<2>(ty, w, [row(r), row(r + 1)]);
-                    store(r, a);
-                    store(r + 1, b);
-                    r += 2;
-                } else {
-                    store(r, avx512::tile::<1>(ty, w, [row(r)])[0]);
-                    r += 1;
+        // SAFETY: as above.
+        unsafe {
+            if t == 1 {
+                store(0, avx512::tile::<1>(ty, w, [x])[0]);
+            } else if t == 4 {
+                let row = |r: usize| &x[r * kb..][..kb];
+                let ys = avx512::tile::<4>(ty, w, [row(0), row(1), row(2), row(3)]);
+                for (r, y) in ys.into_iter().enumerate() {
+                    store(r, y);
                 }
+            } else if q6 {
+                avx512::rows::<true>(w, x, kb, &mut store);
+            } else {
+                avx512::rows::<false>(w, x, kb, &mut store);
             }
         }
         return;
@@ -558,6 +556,72 @@ mod avx512 {
         y
     }
 
+    /// The most rows [`rows`] takes at once.
+    pub(super) const MAX_ROWS: usize = super::UNPACK_MIN_ROWS;
+
+    /// `store(r, y)` with `y[m] = x_r · w_m` for every row `r` of `x` (`t
+    /// = x.len() / blocks` rows, `2 <= t <= MAX_ROWS`, Q4_K when `!Q6`,
+    /// else Q6_K): each weight block is decoded in registers once for all
+    /// `t` rows (its 4 chunks' quants and scales, weight row by weight
+    /// row), and each row's block sums run the same operations in the
+    /// same order as [`tile_of`]'s, so the bits are the same. The float
+    /// accumulators live in a stack array (8 KiB), one load and store per
+    /// row and block.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    pub(super) fn rows<const Q6: bool>(
+        w: [&[u8]; MR],
+        x: &[Q8Block],
+        blocks: usize,
+        store: &mut impl FnMut(usize, [f32; MR]),
+    ) {
+        let block_bytes = if Q6 { 210 } else { 144 };
+        let t = x.len() / blocks;
+        debug_assert!((2..=MAX_ROWS).contains(&t) && x.len() == t * blocks);
+        debug_assert!(w.iter().all(|r| r.len() == blocks * block_bytes));
+        let mut a = [[_mm512_setzero_ps(); MR]; MAX_ROWS];
+        for bi in 0..blocks {
+            let at = bi * block_bytes..(bi + 1) * block_bytes;
+            // As in `tile_of`: the same block 4 tiles on, into L2.
+            for row in w {
+                let ahead = row[at.start..].as_ptr().wrapping_add(4 * MR * row.len());
+                for line in (0..block_bytes).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(line).cast());
+                }
+            }
+            for m in 0..MR {
+                let wb = &w[m][at.clone()];
+                // SAFETY (the helpers): this function's features.
+                let blk = unsafe { block::<Q6>(wb) };
+                let mut ch = [(_mm512_setzero_si512(), _mm512_setzero_si512()); QK / 64];
+                for (c, ch) in ch.iter_mut().enumerate() {
+                    // SAFETY: this function's features.
+                    *ch = unsafe { chunk::<Q6>(wb, &blk, c) };
+                }
+                for r in 0..t {
+                    let xb = &x[r * blocks + bi];
+                    let mut acc = _mm512_setzero_si512();
+                    for (c, &(q, sc)) in ch.iter().enumerate() {
+                        // SAFETY: this function's features.
+                        let p = _mm512_maddubs_epi16(q, unsafe { x64(xb, c) });
+                        acc = _mm512_dpwssd_epi32(acc, p, sc);
+                    }
+                    // SAFETY: this function's features.
+                    a[r][m] = unsafe { finish::<Q6>(acc, &blk, xb, a[r][m]) };
+                }
+            }
+        }
+        for (r, ar) in a.iter().take(t).enumerate() {
+            let mut y = [0.0f32; MR];
+            for m in 0..MR {
+                let mut lanes = [0.0f32; 16];
+                // SAFETY: writes the 16 floats of `lanes`.
+                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), ar[m]) };
+                y[m] = crate::lanes::reduce16(&lanes);
+            }
+            store(r, y);
+        }
+    }
+
     /// [`super::tile`] for `NR` rows of `x`.
     ///
     /// # Safety
@@ -746,9 +810,9 @@ mod tests {
         }
 
         /// The AVX-512 tile equals the portable arithmetic bit for bit, for
-        /// every weight row of the tile and rows of `x` in groups of 4, 2
-        /// and 1 (fewer than [`UNPACK_MIN_ROWS`]) or through the unpacked
-        /// tile.
+        /// every weight row of the tile and rows of `x` decoded in registers
+        /// (1, exactly 4, and the rest of fewer than [`UNPACK_MIN_ROWS`] all
+        /// at once) or through the unpacked tile.
         #[test]
         fn simd_tile_matches_portable_bitwise(
             seed: u64,

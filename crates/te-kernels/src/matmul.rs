@@ -57,9 +57,9 @@
 //! A product in [`Precision::Int8`] (Q4_K or Q6_K weights, `k` a multiple
 //! of 256) has its own arithmetic, [`crate::int8`]'s: `x` is rounded to 8
 //! bits once per call for all such products, and each task multiplies
-//! tiles of 4 weight rows with every token row: decoded in registers for
-//! each group of 4 token rows up to 31 rows (decode and speculative
-//! verification's chunks), unpacked once into the task's panel for more
+//! tiles of 4 weight rows with every token row: decoded in registers once
+//! for up to 31 token rows (decode and speculative verification's
+//! chunks), unpacked once into the task's panel for more
 //! (prefill), the rows in passes of at most 512 KiB of rounded
 //! activations.
 
