@@ -321,8 +321,9 @@ __device__ __forceinline__ void load_kv_row(const AttnParams& p, const long long
                                             const T* k, const T* v, int lane,
                                             float kx[DEC_PER_LANE], float vx[DEC_PER_LANE]) {
     const long long row = j >= 0 ? kv_row(p, meta, s, b, j) : -1;
-    const T* kr = k + (row * p.h_kv + g) * p.d_qk;
-    const T* vr = v + (row * p.h_kv + g) * p.d_v;
+    const long long at = row >= 0 ? row : 0;  // no pointer before the buffers
+    const T* kr = k + (at * p.h_kv + g) * p.d_qk;
+    const T* vr = v + (at * p.h_kv + g) * p.d_v;
 #pragma unroll
     for (int kk = 0; kk < DEC_PER_LANE; ++kk) {
         const int c = lane + 32 * kk;
@@ -359,7 +360,7 @@ __device__ __forceinline__ void decode_key(const AttnParams& p, const float* q_s
             corr = expf(m[r] - x);  // 0 when m = -inf
             m[r] = x;
         } else {
-            pj = expf(x - m[r]);
+            pj = x == neg_inf() ? 0.f : expf(x - m[r]);  // -inf weighs nothing
         }
         l[r] = l[r] * corr + pj;
 #pragma unroll

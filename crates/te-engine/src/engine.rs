@@ -81,8 +81,8 @@ use crate::request::{invalid, DraftLimits, Request, RequestError, RequestId};
 use crate::sampling::{Sampler, TokenLogprobs};
 use crate::scheduler::{Schedule, Scheduler, SchedulerConfig, SeqState};
 use crate::speculative::{
-    model_draft_len, CatchUp, CostModel, DraftModel, DraftPool, DraftSource, DraftWant, Drafter,
-    SpeculativeConfig,
+    joint_cap, model_draft_len, CatchUp, CostModel, DraftModel, DraftPool, DraftSource, DraftWant,
+    Drafter, SpeculativeConfig,
 };
 use crate::text::TextState;
 
@@ -912,6 +912,22 @@ impl<'a> Engine<'a> {
                 continue;
             };
             seq.draft = drafter.propose(&seq.tokens, room, batch, &extra);
+        }
+        // Each chose its length alone; the step carries all of them.
+        let proposed: Vec<(&Drafter, usize)> = self
+            .sched
+            .running()
+            .iter()
+            .filter_map(|seq| Some((seq.data.drafter.as_ref()?, seq.draft.len())))
+            .filter(|(_, k)| *k > 0)
+            .collect();
+        if proposed.len() > 1 {
+            let cap = joint_cap(&proposed, batch, &self.cost);
+            for seq in self.sched.running_mut() {
+                if let Some(drafter) = seq.data.drafter.as_mut() {
+                    drafter.cap(&mut seq.draft, cap);
+                }
+            }
         }
         Ok(())
     }

@@ -47,7 +47,11 @@
 //! for; the engine drafts the `k` that maximises
 //! `sum alpha^i - B * (c(B + k) - c(B)) / c(B)` when that is positive,
 //! and does not draft otherwise (free text, where lookups rarely hold,
-//! then runs as plain decode). A draft model's drafts also cost its own
+//! then runs as plain decode). Each sequence chooses as if its rows were
+//! the step's only extra ones, so the step then caps every prompt-lookup
+//! draft at the one length `K` that maximises the step's total gain
+//! with all of them counted (`joint_cap`; a CPU step's cost jumps where
+//! its product kernels change path). A draft model's drafts also cost its own
 //! `k` sequential steps, which every sequence of the step waits for, and
 //! one batched draft step serves all drafting sequences, so the engine
 //! picks one `k` for them (`model_draft_len`: the measured draft step
@@ -299,12 +303,13 @@ const IDLE_RATE: f64 = 0.04;
 /// The common length of the adaptive draft-model drafts of a step
 /// (`seqs`: each sequence's drafter and room), in a step of `batch`
 /// sequences: the `k` that maximises `sum_s yield_s(k) - batch ·
-/// (verify(k) + (d(n + sum_s yield_s(k)) + (k - 1) · d(n)) / c(batch))`,
+/// (verify(k) + (d(n + sum_s alpha_s^k) + (k - 1) · d(n)) / c(batch))`,
 /// where `verify(k)` is the relative cost of the drafted rows in the
 /// target's step (`target`), `d(r)` the seconds of a draft-model step of
 /// `r` rows (`draft`; its first round feeds the `n` drafting sequences'
-/// tokens accepted since their last draft, expected `yield_s`, beside
-/// their last ones) and `c(batch)` of the target's step without drafts:
+/// last tokens, and the last drafted token of each whose whole draft was
+/// accepted, expected `sum_s alpha_s^k`, interpolated between row
+/// counts) and `c(batch)` of the target's step without drafts:
 /// all `batch` sequences wait for the draft model's `k` sequential steps
 /// as for the extra rows. 0 when no length gains, and while no step of `batch` rows
 /// without drafts has been measured (that step measures it); other costs
@@ -333,19 +338,57 @@ pub(crate) fn model_draft_len(
     let (mut best, mut best_gain) = (0, 0.0);
     for k in 1..=longest.unwrap_or(0) {
         let mut yield_ = 0.0;
+        let mut whole = 0.0;
         let mut rows = 0;
         for (d, room) in seqs {
             let n = k.min(d.cap.min(*room));
             yield_ += d.expected_yield(n);
+            whole += d.alpha.powi(n as i32);
             rows += n;
         }
-        // The first draft round also feeds each sequence's tokens accepted
-        // since its last draft (expected: its yield) beside its last one.
-        let first = step(seqs.len() + yield_.round() as usize);
+        // The next first round feeds each sequence its last token, and
+        // also its last drafted one where the whole draft was accepted
+        // (the others were fed while drafting): `n + whole` rows expected,
+        // between two measured counts.
+        let (lo, frac) = (whole.floor(), whole.fract());
+        let at = seqs.len() + lo as usize;
+        let first = step(at) + frac * (step(at + 1) - step(at));
         let drafting = first + (k - 1) as f64 * step(seqs.len());
         let gain = yield_ - batch as f64 * (target.extra_cost(batch, rows) + drafting);
         if gain > best_gain {
             (best, best_gain) = (k, gain);
+        }
+    }
+    best
+}
+
+/// The common cap on a step's prompt-lookup drafts (`drafts`: each
+/// sequence's drafter and the length it proposed, in a step of `batch`
+/// sequences): each sequence chose its length as if its rows were the
+/// step's only extra ones, but the step carries them all. The cap `K`
+/// maximises `sum_s yield_s(min(k_s, K)) - batch · extra(sum_s min(k_s,
+/// K))` over the adaptive drafters (rows of fixed-length ones count as
+/// already there); 0 when no cap gains. At batch 1 it keeps the one
+/// draft's length, its own best.
+pub(crate) fn joint_cap(drafts: &[(&Drafter, usize)], batch: usize, cost: &CostModel) -> usize {
+    let fixed: usize = drafts.iter().filter(|(d, _)| d.fixed).map(|(_, k)| k).sum();
+    let base = cost.extra_cost(batch, fixed);
+    let longest = drafts
+        .iter()
+        .filter(|(d, _)| !d.fixed)
+        .map(|(_, k)| *k)
+        .max();
+    let (mut best, mut best_gain) = (0, 0.0);
+    for cap in 1..=longest.unwrap_or(0) {
+        let (mut yield_, mut rows) = (0.0, fixed);
+        for (d, k) in drafts.iter().filter(|(d, _)| !d.fixed) {
+            let n = (*k).min(cap);
+            yield_ += d.expected_yield(n);
+            rows += n;
+        }
+        let gain = yield_ - batch as f64 * (cost.extra_cost(batch, rows) - base);
+        if gain > best_gain {
+            (best, best_gain) = (cap, gain);
         }
     }
     best
@@ -402,6 +445,22 @@ impl Drafter {
         }
         found.truncate(k);
         found
+    }
+
+    /// Cuts `draft` (this drafter's proposal) to the step's common `cap`
+    /// ([`joint_cap`]; a fixed length keeps its draft); a draft cut below
+    /// the shortest verified is dropped, its first token kept to learn
+    /// from as when the lookup's proposal is not drafted.
+    pub(crate) fn cap(&mut self, draft: &mut Vec<u32>, cap: usize) {
+        if self.fixed || draft.len() <= cap {
+            return;
+        }
+        if cap < self.min {
+            self.shadow = draft.first().copied();
+            draft.clear();
+        } else {
+            draft.truncate(cap);
+        }
     }
 
     /// The length of a draft model's draft with `room` tokens left, when
@@ -946,8 +1005,8 @@ mod tests {
         };
         // Target: 0.1 s plus 0.01 a row; draft steps 0.02 s plus 0.001 a
         // row. One sequence sure of acceptance: gain(k) = k - (0.01 k +
-        // 0.021 + 0.001 k + 0.021 (k - 1)) / 0.11 (the first round feeds
-        // the k accepted tokens too), largest at the longest draft.
+        // 0.022 + 0.021 (k - 1)) / 0.11 (the first round feeds the last
+        // drafted token too), largest at the longest draft.
         let target = linear_costs(0.1, 0.01);
         let cheap = linear_costs(0.02, 0.001);
         let sure = drafter(1.0);
@@ -958,23 +1017,22 @@ mod tests {
         // Room narrows it.
         assert_eq!(model_draft_len(&[(&sure, 3)], 1, &target, &cheap), 3);
         // By hand, alpha = 0.5, batch 1 (the first round feeds 1 + 0.5 and
-        // 1 + 0.75 tokens, rounded to 2): gain(1) = 0.5 - (0.01 + 0.022) /
-        // 0.11 = 0.209; gain(2) = 0.75 - (0.02 + 0.022 + 0.021) / 0.11 =
-        // 0.177.
+        // 1 + 0.25 rows): gain(1) = 0.5 - (0.01 + 0.0215) / 0.11 = 0.214;
+        // gain(2) = 0.75 - (0.02 + 0.02125 + 0.021) / 0.11 = 0.184.
         let half = drafter(0.5);
         assert_eq!(model_draft_len(&[(&half, 100)], 1, &target, &cheap), 1);
-        // Draft steps dear per row (0.005 s plus 0.025 a row): one row
-        // alone would pay (0.5 - (0.01 + 0.03) / 0.11 = 0.136), but the
-        // first round feeds 2 rows: 0.5 - (0.01 + 0.055) / 0.11 = -0.09,
-        // and k = 2: 0.75 - (0.02 + 0.055 + 0.03) / 0.11 = -0.2.
-        let steep = linear_costs(0.005, 0.025);
+        // Draft steps dear per row (0.001 s plus 0.04 a row): one row a
+        // round would pay (0.5 - (0.01 + 0.041) / 0.11 = 0.036), but the
+        // first round feeds 1.5 rows: 0.5 - (0.01 + 0.061) / 0.11 = -0.145,
+        // and k = 2: 0.75 - (0.02 + 0.051 + 0.041) / 0.11 = -0.27.
+        let steep = linear_costs(0.001, 0.04);
         assert_eq!(model_draft_len(&[(&half, 100)], 1, &target, &steep), 0);
         // A draft step as dear as the target's: nothing gains.
         let dear = linear_costs(0.1, 0.01);
         assert_eq!(model_draft_len(&[(&half, 100)], 1, &target, &dear), 0);
         // Eight sequences at alpha 0.5 all wait for every draft step and
         // every extra row: gain(1) = 8 · 0.5 - 8 · (8 · 0.01 + 0.032) /
-        // 0.18 = -0.98 (the first round feeds 8 + 4 rows), so no draft,
+        // 0.18 = -0.98 (the first round feeds 8 + 4 rows expected), so no draft,
         // where one sequence alone drafts.
         let eight = vec![(&half, 100); 8];
         assert_eq!(model_draft_len(&eight, 8, &target, &cheap), 0);
@@ -991,6 +1049,37 @@ mod tests {
             d.record_plain(7);
         }
         assert!((d.alpha - MODEL_PRIOR_ALPHA).abs() < 0.01, "{}", d.alpha);
+    }
+
+    /// Eight sequences each sure enough (alpha 0.9) to draft 7 tokens
+    /// alone, in a step whose cost jumps by 0.5 s past 16 rows: together
+    /// they would pass the jump at any cap over 1. By hand, c(8) = 0.18:
+    /// cap 1 gains 8 · (0.9 - 0.08 / 0.18) = 3.64; cap 2, 24 rows, 8 ·
+    /// (1.71 - 0.66 / 0.18) < 0; cap 7, 64 rows, 8 · (4.70 - 1.06 / 0.18)
+    /// < 0. Alone (batch 1) the proposal stands.
+    #[test]
+    fn prompt_lookup_drafts_share_one_cap() {
+        let mut d = Drafter::new(SpeculativeConfig::ngram(2), DraftLimits::default()).unwrap();
+        d.alpha = 0.9;
+        let mut jump = CostModel::new();
+        for rows in 1..=64 {
+            let step = if rows > 16 { 0.6 } else { 0.1 };
+            jump.record(rows, step + 0.01 * rows as f64);
+        }
+        // Alone at batch 8, extra(8, k) = 0.01 k / 0.18 up to k = 8:
+        // best at 7 (1.59 against 1.57 at 8).
+        assert_eq!(d.best_len(8, 8, &jump.extra_costs(8)), 7);
+        assert_eq!(joint_cap(&[(&d, 7); 8], 8, &jump), 1);
+        assert_eq!(joint_cap(&[(&d, 7)], 1, &linear_costs(0.1, 0.01)), 7);
+        // Cut below the shortest verified: dropped, its first token kept.
+        let mut draft = vec![5, 6, 7];
+        d.min = 2;
+        d.cap(&mut draft, 1);
+        assert!(draft.is_empty());
+        assert_eq!(d.shadow, Some(5));
+        let mut draft = vec![5, 6, 7];
+        d.cap(&mut draft, 2);
+        assert_eq!(draft, [5, 6]);
     }
 
     #[test]
