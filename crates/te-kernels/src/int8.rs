@@ -327,6 +327,34 @@ mod avx512 {
         unsafe { _mm512_loadu_si512(v.as_ptr().cast()) }
     }
 
+    /// Prefetches block `at` of each of the `MR` rows `w` 4 tiles on into
+    /// L2, as the exact decode kernels do (rows of a task are adjacent;
+    /// the hardware prefetcher alone loses short rows at each 4 KiB page
+    /// of a file map). A prefetch never faults, so an address past the
+    /// weights is harmless.
+    #[inline(always)]
+    fn prefetch_ahead(w: [&[u8]; MR], at: &std::ops::Range<usize>) {
+        for row in w {
+            let ahead = row[at.start..].as_ptr().wrapping_add(4 * MR * row.len());
+            for line in (0..at.len()).step_by(64) {
+                // SAFETY: a prefetch reads nothing architecturally (SSE,
+                // part of x86-64).
+                unsafe { _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(line).cast()) };
+            }
+        }
+    }
+
+    /// The sum of the 16 lanes of `a` by the module's lane tree
+    /// ([`crate::lanes::reduce16`]).
+    #[inline(always)]
+    unsafe fn sum16(a: __m512) -> f32 {
+        let mut lanes = [0.0f32; 16];
+        // SAFETY: writes the 16 floats of `lanes`; the caller's CPU has
+        // AVX-512F.
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), a) };
+        crate::lanes::reduce16(&lanes)
+    }
+
     /// Activations `64·c .. 64·c + 64` of a block.
     #[inline(always)]
     unsafe fn x64(x: &Q8Block, c: usize) -> __m512i {
@@ -548,10 +576,8 @@ mod avx512 {
         }
         let mut y = [0.0f32; MR];
         for m in 0..MR {
-            let mut lanes = [0.0f32; 16];
-            // SAFETY: writes the 16 floats of `lanes`.
-            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), a[m]) };
-            y[m] = crate::lanes::reduce16(&lanes);
+            // SAFETY: this function's features.
+            y[m] = unsafe { sum16(a[m]) };
         }
         y
     }
@@ -581,13 +607,7 @@ mod avx512 {
         let mut a = [[_mm512_setzero_ps(); MR]; MAX_ROWS];
         for bi in 0..blocks {
             let at = bi * block_bytes..(bi + 1) * block_bytes;
-            // As in `tile_of`: the same block 4 tiles on, into L2.
-            for row in w {
-                let ahead = row[at.start..].as_ptr().wrapping_add(4 * MR * row.len());
-                for line in (0..block_bytes).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(line).cast());
-                }
-            }
+            prefetch_ahead(w, &at);
             for m in 0..MR {
                 let wb = &w[m][at.clone()];
                 // SAFETY (the helpers): this function's features.
@@ -613,10 +633,8 @@ mod avx512 {
         for (r, ar) in a.iter().take(t).enumerate() {
             let mut y = [0.0f32; MR];
             for m in 0..MR {
-                let mut lanes = [0.0f32; 16];
-                // SAFETY: writes the 16 floats of `lanes`.
-                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), ar[m]) };
-                y[m] = crate::lanes::reduce16(&lanes);
+                // SAFETY: this function's features.
+                y[m] = unsafe { sum16(ar[m]) };
             }
             store(r, y);
         }
@@ -653,17 +671,7 @@ mod avx512 {
         let mut a = [[_mm512_setzero_ps(); NR]; MR];
         for bi in 0..blocks {
             let at = bi * block_bytes..(bi + 1) * block_bytes;
-            // The same block of the rows 4 tiles on, into L2, as the exact
-            // decode kernels do (rows of a task are adjacent; the hardware
-            // prefetcher alone loses short rows at each 4 KiB page of a
-            // file map). A prefetch never faults, so an address past the
-            // weights is harmless.
-            for row in w {
-                let ahead = row[at.start..].as_ptr().wrapping_add(4 * MR * row.len());
-                for line in (0..block_bytes).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(line).cast());
-                }
-            }
+            prefetch_ahead(w, &at);
             let wb: [&[u8]; MR] = [
                 &w[0][at.clone()],
                 &w[1][at.clone()],
@@ -702,10 +710,8 @@ mod avx512 {
         let mut y = [[0.0f32; MR]; NR];
         for r in 0..NR {
             for m in 0..MR {
-                let mut lanes = [0.0f32; 16];
-                // SAFETY: writes the 16 floats of `lanes`.
-                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), a[m][r]) };
-                y[r][m] = crate::lanes::reduce16(&lanes);
+                // SAFETY: this function's features.
+                y[r][m] = unsafe { sum16(a[m][r]) };
             }
         }
         y
