@@ -16,8 +16,9 @@ use te_tokenizer::Tokenizer;
 /// distribution.
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct DraftArgs {
-    /// Prompt lookup: draft the tokens that followed the last earlier
-    /// occurrence of the latest N tokens (prompt and output so far) and
+    /// Prompt lookup: draft the tokens that followed an earlier
+    /// occurrence of the latest N tokens (prompt and output so far), the
+    /// one whose match reaches furthest back (then the latest), and
     /// verify them in one step.
     #[arg(long, value_name = "N", conflicts_with = "model_draft")]
     pub draft_ngram: Option<usize>,
