@@ -290,6 +290,7 @@ pub(crate) fn dot_portable(ty: GgmlType, w: &[u8], x: &[Q8Block]) -> f32 {
 #[allow(clippy::needless_range_loop)]
 mod avx512 {
     use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
 
     use super::{Q8Block, MR, QK};
     use crate::quant::GgmlType;
@@ -353,6 +354,30 @@ mod avx512 {
         // AVX-512F.
         unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), a) };
         crate::lanes::reduce16(&lanes)
+    }
+
+    /// `acc + (i16 pair products of a and b, summed in pairs)`: one
+    /// `vpdpwssd`, written as assembly because LLVM splits the intrinsic
+    /// into `vpmaddwd` and `vpaddd` for generic x86-64 tuning (the same
+    /// exact integer sums, one more instruction). The caller must be
+    /// compiled with AVX-512 F and VNNI (a `target_feature` function).
+    macro_rules! dpwssd {
+        ($acc:expr, $a:expr, $b:expr) => {{
+            let mut acc: __m512i = $acc;
+            let (a, b): (__m512i, __m512i) = ($a, $b);
+            // SAFETY: an arithmetic instruction on registers; the
+            // enclosing function enables AVX-512 F and VNNI.
+            unsafe {
+                std::arch::asm!(
+                    "vpdpwssd {acc}, {a}, {b}",
+                    acc = inout(zmm_reg) acc,
+                    a = in(zmm_reg) a,
+                    b = in(zmm_reg) b,
+                    options(pure, nomem, nostack, preserves_flags),
+                );
+            }
+            acc
+        }};
     }
 
     /// Activations `64·c .. 64·c + 64` of a block.
@@ -555,7 +580,7 @@ mod avx512 {
                             _mm512_loadu_si512(o[256 + 64 * c..].as_ptr().cast()),
                         )
                     };
-                    acc[m] = _mm512_dpwssd_epi32(acc[m], _mm512_maddubs_epi16(q, xc), sc);
+                    acc[m] = dpwssd!(acc[m], _mm512_maddubs_epi16(q, xc), sc);
                 }
             }
             for m in 0..MR {
@@ -591,8 +616,8 @@ mod avx512 {
     /// `t` rows (its 4 chunks' quants and scales, weight row by weight
     /// row), and each row's block sums run the same operations in the
     /// same order as [`tile_of`]'s, so the bits are the same. The float
-    /// accumulators live in a stack array (8 KiB), one load and store per
-    /// row and block.
+    /// accumulators live in a stack array (up to 8 KiB, not zero-filled),
+    /// one load and store per row and block.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
     pub(super) fn rows<const Q6: bool>(
         w: [&[u8]; MR],
@@ -604,7 +629,10 @@ mod avx512 {
         let t = x.len() / blocks;
         debug_assert!((2..=MAX_ROWS).contains(&t) && x.len() == t * blocks);
         debug_assert!(w.iter().all(|r| r.len() == blocks * block_bytes));
-        let mut a = [[_mm512_setzero_ps(); MR]; MAX_ROWS];
+        debug_assert!(blocks > 0);
+        // Only the first `t` rows are used: written at block 0, so the
+        // array is not zero-filled (8 KiB a tile).
+        let mut a = [[MaybeUninit::<__m512>::uninit(); MR]; MAX_ROWS];
         for bi in 0..blocks {
             let at = bi * block_bytes..(bi + 1) * block_bytes;
             prefetch_ahead(w, &at);
@@ -623,18 +651,26 @@ mod avx512 {
                     for (c, &(q, sc)) in ch.iter().enumerate() {
                         // SAFETY: this function's features.
                         let p = _mm512_maddubs_epi16(q, unsafe { x64(xb, c) });
-                        acc = _mm512_dpwssd_epi32(acc, p, sc);
+                        acc = dpwssd!(acc, p, sc);
                     }
-                    // SAFETY: this function's features.
-                    a[r][m] = unsafe { finish::<Q6>(acc, &blk, xb, a[r][m]) };
+                    // SAFETY: `a[r][m]` was written at the block before
+                    // `bi` (the lanes start at +0.0); this function's
+                    // features.
+                    let prev = if bi == 0 {
+                        _mm512_setzero_ps()
+                    } else {
+                        unsafe { a[r][m].assume_init() }
+                    };
+                    a[r][m].write(unsafe { finish::<Q6>(acc, &blk, xb, prev) });
                 }
             }
         }
         for (r, ar) in a.iter().take(t).enumerate() {
             let mut y = [0.0f32; MR];
             for m in 0..MR {
-                // SAFETY: this function's features.
-                y[m] = unsafe { sum16(ar[m]) };
+                // SAFETY: every block wrote rows `..t` (blocks > 0); this
+                // function's features.
+                y[m] = unsafe { sum16(ar[m].assume_init()) };
             }
             store(r, y);
         }
@@ -696,7 +732,7 @@ mod avx512 {
                     for r in 0..NR {
                         // SAFETY: this function's features.
                         let p = _mm512_maddubs_epi16(q, unsafe { x64(&xs[r][bi], c) });
-                        acc[m][r] = _mm512_dpwssd_epi32(acc[m][r], p, sc);
+                        acc[m][r] = dpwssd!(acc[m][r], p, sc);
                     }
                 }
             }
