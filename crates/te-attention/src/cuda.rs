@@ -60,6 +60,8 @@ const COMBINE_THREADS: u32 = 64;
 /// head-in-group) rows of one sequence and KV head a variant serves).
 const DEC_WARPS: usize = 4;
 const DEC_MAX_D: usize = 256;
+/// Threads per block of `attn_decode`.
+const DEC_THREADS: u32 = 32 * DEC_WARPS as u32;
 const DEC_ROWS: [usize; 3] = [1, 4, 8];
 
 /// The launch shapes of `attention.cu`'s kernels (for `cargo xtask
@@ -85,7 +87,7 @@ pub const LAUNCHES: &[LaunchShape] = &[
 const fn decode_launch(kernel: &'static str, rows: usize) -> LaunchShape {
     LaunchShape {
         kernel,
-        threads_per_block: 32 * DEC_WARPS as u32,
+        threads_per_block: DEC_THREADS,
         max_dynamic_shared_bytes: decode_shared_bytes(rows, DEC_MAX_D, DEC_MAX_D) as u32,
     }
 }
@@ -126,7 +128,7 @@ impl Kernel {
     fn threads(self) -> u32 {
         match self {
             Kernel::Tiled => THREADS,
-            Kernel::Decode(_) => 32 * DEC_WARPS as u32,
+            Kernel::Decode(_) => DEC_THREADS,
         }
     }
 
