@@ -344,12 +344,18 @@ mod avx512 {
     #[inline(always)]
     fn prefetch_ahead(w: [&[u8]; MR], at: &std::ops::Range<usize>) {
         for row in w {
-            let ahead = row[at.start..].as_ptr().wrapping_add(4 * MR * row.len());
-            for line in (0..at.len()).step_by(64) {
-                // SAFETY: a prefetch reads nothing architecturally (SSE,
-                // part of x86-64).
-                unsafe { _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(line).cast()) };
-            }
+            prefetch_row_ahead(row, at);
+        }
+    }
+
+    /// [`prefetch_ahead`] for one row: bytes `at` of `row`, 4 tiles on.
+    #[inline(always)]
+    fn prefetch_row_ahead(row: &[u8], at: &std::ops::Range<usize>) {
+        let ahead = row[at.start..].as_ptr().wrapping_add(4 * MR * row.len());
+        for line in (0..at.len()).step_by(64) {
+            // SAFETY: a prefetch reads nothing architecturally (SSE, part
+            // of x86-64).
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(line).cast()) };
         }
     }
 
@@ -737,13 +743,14 @@ mod avx512 {
         let mut y = [0.0f32; MR];
         for m in 0..MR {
             let row = &w[m][..blocks * block_bytes];
-            let ahead = row.as_ptr().wrapping_add(4 * MR * row.len());
             let mut a = _mm512_setzero_ps();
-            for (bi, (wb, xb)) in row.chunks_exact(block_bytes).zip(x).enumerate() {
-                // 4 tiles on, into L2 (as `prefetch_ahead`).
-                for line in (0..block_bytes).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(bi * block_bytes + line).cast());
-                }
+            for (wb, xb) in row.chunks_exact(block_bytes).zip(x) {
+                // The block's offset from the pointers: counted by
+                // `enumerate` instead, this kernel decoded 16.6-16.8 t/s
+                // against 19.9-20.6 (one thread, same minutes; the loop
+                // compiles differently).
+                let off = wb.as_ptr() as usize - row.as_ptr() as usize;
+                prefetch_row_ahead(row, &(off..off + block_bytes));
                 // SAFETY (the helpers): this function's features.
                 let blk = unsafe { block::<Q6>(wb) };
                 let mut acc = _mm512_setzero_si512();
