@@ -7,7 +7,8 @@
 //! blocks of 256 columns ([`Q8Block`], one f32 scale per block), and Q4_K
 //! and Q6_K weights multiply it with integer dot products: with AVX-512 BW
 //! and VNNI, 64 products in two instructions (`vpmaddubsw`, `vpdpwssd`),
-//! where exact precision spends four conversions and four multiply-adds.
+//! where exact precision spends four conversions and four multiply-adds;
+//! with AVX2, 32 in two (`vpmaddubsw`, `vpmaddwd`; `int8/avx2.rs`).
 //! This is the arithmetic llama.cpp uses by default for K-quant weights
 //! (its `Q8_K` activations), written from the block formats of
 //! [`crate::quant`]. The rounding of the activations changes the logits
@@ -17,7 +18,7 @@
 //!
 //! Each output is still computed on its own, in a fixed order, so a row's
 //! output is bit-identical for any number of rows, wherever the row sits
-//! in the batch, and on the AVX-512 and the portable path.
+//! in the batch, and on the AVX-512, the AVX2 and the portable path.
 //!
 //! # Activations (per row of `x`, per block of 256 columns)
 //!
@@ -48,31 +49,9 @@
 
 use crate::quant::GgmlType;
 
-/// Columns per activation block.
-pub const QK: usize = 256;
+mod q8;
 
-/// 256 activations of one row rounded to 8 bits (see the module doc):
-/// `qs` the integers, `bsums16` / `bsums32` their sums over 16 and 32
-/// consecutive columns, `d` the scale (`x ≈ d·q`).
-#[repr(C, align(64))]
-#[derive(Clone, Copy, Debug)]
-pub struct Q8Block {
-    pub qs: [i8; QK],
-    pub bsums16: [i16; 16],
-    pub bsums32: [i16; 8],
-    pub d: f32,
-}
-
-impl Default for Q8Block {
-    fn default() -> Self {
-        Q8Block {
-            qs: [0; QK],
-            bsums16: [0; 16],
-            bsums32: [0; 8],
-            d: 0.0,
-        }
-    }
-}
+pub use q8::{quantize_rows, Q8Block, QK};
 
 /// Whether weights of `ty` in rows of `k` columns multiply 8-bit
 /// activations: Q4_K and Q6_K, `k` a positive multiple of [`QK`].
@@ -80,42 +59,15 @@ pub fn supported(ty: GgmlType, k: usize) -> bool {
     matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) && k > 0 && k.is_multiple_of(QK)
 }
 
-/// Rounds each row of `x: [t, k]` (f32, row-major, `k` a multiple of
-/// [`QK`]) to 8 bits: `out` gets `t · k / QK` blocks, row after row.
-pub fn quantize_rows(x: &[f32], k: usize, out: &mut Vec<Q8Block>) {
-    assert!(
-        k.is_multiple_of(QK) && x.len().is_multiple_of(QK),
-        "quantize_rows: rows of {k} columns are not whole blocks of {QK}"
-    );
-    out.resize(x.len() / QK, Q8Block::default());
-    for (xb, b) in x.chunks_exact(QK).zip(out.iter_mut()) {
-        let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let (d, id) = if amax > 0.0 {
-            (amax / 127.0, 127.0 / amax)
-        } else {
-            (0.0, 0.0)
-        };
-        for (q, v) in b.qs.iter_mut().zip(xb) {
-            *q = round_ties_even(v * id).clamp(-127.0, 127.0) as i8;
-        }
-        for (s, q) in b.bsums16.iter_mut().zip(b.qs.chunks_exact(16)) {
-            *s = q.iter().map(|&v| v as i16).sum();
-        }
-        for (s, p) in b.bsums32.iter_mut().zip(b.bsums16.chunks_exact(2)) {
-            *s = p[0] + p[1];
-        }
-        b.d = d;
-    }
-}
-
-/// `v` rounded to the nearest integer, ties to even, for |v| < 2^22: the
-/// value of `f32::round_ties_even` (+0.0 for −0.0) without its library
-/// call. Adding 1.5 · 2^23 leaves no fraction bits and rounds to nearest
-/// even; taking it off again is exact. Activations are at most 127.
-#[inline(always)]
-fn round_ties_even(v: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0;
-    (v + MAGIC) - MAGIC
+/// The kernels a product runs on: all give the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kernels {
+    /// AVX-512 F, BW, VNNI and F16C (`avx512`).
+    Avx512,
+    /// AVX2, FMA and F16C (`avx2`).
+    Avx2,
+    /// [`dot_portable`], any CPU.
+    Portable,
 }
 
 /// Whether this CPU runs the AVX-512 kernels (AVX-512 F, BW, VNNI).
@@ -126,6 +78,17 @@ pub(crate) fn simd() -> bool {
         && is_x86_feature_detected!("avx512vnni")
         && is_x86_feature_detected!("f16c")
 }
+
+/// Whether this CPU runs the AVX2 kernels (AVX2, FMA, F16C).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn avx2() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 
 /// Weight rows of one tile (as [`crate::matmul`]'s register tiles).
 pub(crate) const MR: usize = 4;
@@ -162,22 +125,35 @@ pub(crate) fn unpacked_bytes(kb: usize) -> usize {
 
 /// `store(r, y)` with `y[m] = x_r · w_m` for the `MR` weight rows `w` of
 /// `ty` (each `kb` blocks, [`supported`]) and every row `r` of `x` (`kb`
-/// blocks per row, from [`quantize_rows`]), with the module's arithmetic:
-/// on the AVX-512 kernels when `simd` (the CPU must have them, [`simd`]),
-/// else portable. `buf` (at least [`unpacked_bytes`]) holds the unpacked
-/// tile for many rows. Allocates nothing.
+/// blocks per row, from [`quantize_rows`]), with the module's arithmetic
+/// on `kernels` (the CPU must have them: [`simd`] for AVX-512, [`avx2`]).
+/// `buf` (at least [`unpacked_bytes`]) holds the unpacked tile for many
+/// rows on AVX-512. Allocates nothing.
 pub(crate) fn tile(
     ty: GgmlType,
     w: [&[u8]; MR],
     x: &[Q8Block],
     kb: usize,
-    simd: bool,
+    kernels: Kernels,
     buf: &mut [u8],
     mut store: impl FnMut(usize, [f32; MR]),
 ) {
     let t = x.len() / kb;
     #[cfg(target_arch = "x86_64")]
-    if simd {
+    if kernels == Kernels::Avx2 {
+        // SAFETY: the caller checked the CPU; `ty` is supported and every
+        // row holds `kb` whole blocks.
+        unsafe {
+            if ty == GgmlType::Q6_K {
+                avx2::tile::<true, MR>(w, x, kb, &mut store);
+            } else {
+                avx2::tile::<false, MR>(w, x, kb, &mut store);
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if kernels == Kernels::Avx512 {
         let q6 = ty == GgmlType::Q6_K;
         if t >= UNPACK_MIN_ROWS {
             // SAFETY: the caller checked the CPU; `ty` is supported and
@@ -226,7 +202,7 @@ pub(crate) fn tile(
         }
         return;
     }
-    let _ = (simd, buf);
+    let _ = (kernels, buf);
     for (r, xr) in x.chunks_exact(kb).enumerate() {
         store(r, std::array::from_fn(|m| dot_portable(ty, w[m], xr)));
     }
@@ -301,6 +277,7 @@ mod avx512 {
     use std::mem::MaybeUninit;
 
     use super::{Q8Block, MR, QK};
+    use crate::quant::avx2::f16_at;
     use crate::quant::GgmlType;
 
     // The helpers are `#[inline(always)]` without `target_feature` of
@@ -310,14 +287,6 @@ mod avx512 {
     // intrinsics run under its features.
     //
     // Safety of each: the CPU must support AVX-512 F, BW, VNNI and F16C.
-
-    /// The f16 at byte `at` of `b`, as f32 (exact).
-    #[inline(always)]
-    unsafe fn f16(b: &[u8], at: usize) -> f32 {
-        let bits = u16::from_le_bytes([b[at], b[at + 1]]);
-        // SAFETY: the caller's CPU has F16C.
-        unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))) }
-    }
 
     /// The 32 bytes at `b[at..]` in both 256-bit halves.
     #[inline(always)]
@@ -490,27 +459,18 @@ mod avx512 {
                     sc,
                     bc: _mm512_permutexvar_epi16(gather, sc),
                     mins: _mm_setzero_si128(),
-                    d: f16(b, 208),
+                    d: f16_at(b, 208),
                     dmin: 0.0,
                 }
             } else {
-                let word = |at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
-                let (w0, w1, w2) = (word(4), word(8), word(12));
-                // Bytes j < 4: the low 6 bits of scales[j] / scales[j + 4];
-                // bytes j >= 4: 4 bits of scales[j + 4] with the top 2 of
-                // scales[j - 4] / scales[j] above them (`k4_scale_min`).
-                let low6 = 0x3f3f_3f3f;
-                let scale = (w0 & low6) as u64
-                    | (((w2 & 0x0f0f_0f0f) | ((w0 >> 2) & 0x3030_3030)) as u64) << 32;
-                let min = (w1 & low6) as u64
-                    | ((((w2 >> 4) & 0x0f0f_0f0f) | ((w1 >> 2) & 0x3030_3030)) as u64) << 32;
+                let (scale, min) = crate::quant::k4_scales_mins(&b[4..16]);
                 let wide = _mm256_cvtepu8_epi16(_mm_set_epi64x(min as i64, scale as i64));
                 Block {
                     sc: _mm512_zextsi256_si512(wide),
                     bc: _mm512_set1_epi64(scale as i64),
                     mins: _mm256_extracti128_si256::<1>(wide),
-                    d: f16(b, 0),
-                    dmin: f16(b, 2),
+                    d: f16_at(b, 0),
+                    dmin: f16_at(b, 2),
                 }
             }
         }
@@ -854,6 +814,7 @@ mod tests {
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
 
+    use super::q8::round_ties_even;
     use super::*;
     use crate::quant::{dequantize_blocks, tests::random_row};
 
@@ -945,12 +906,13 @@ mod tests {
             }
         }
 
-        /// The AVX-512 tile equals the portable arithmetic bit for bit, for
-        /// every weight row of the tile and rows of `x` decoded in registers
-        /// (1, exactly 4, and the rest of fewer than [`UNPACK_MIN_ROWS`] all
-        /// at once) or through the unpacked tile.
+        /// The AVX-512 and AVX2 tiles equal the portable arithmetic bit
+        /// for bit, for every weight row of the tile and rows of `x`
+        /// (AVX-512: decoded in registers for 1, exactly 4, and the rest of
+        /// fewer than [`UNPACK_MIN_ROWS`] all at once, or through the
+        /// unpacked tile; AVX2: in passes of 4 rows and a remainder).
         #[test]
-        fn simd_tile_matches_portable_bitwise(
+        fn simd_tiles_match_portable_bitwise(
             seed: u64,
             blocks in 1usize..4,
             rows in prop_oneof![
@@ -960,8 +922,12 @@ mod tests {
                 UNPACK_MIN_ROWS..UNPACK_MIN_ROWS + 4
             ],
         ) {
-            if !simd() {
-                println!("skipped: this CPU has no AVX-512 BW + VNNI");
+            let kernels: Vec<Kernels> = [(Kernels::Avx512, simd()), (Kernels::Avx2, avx2())]
+                .into_iter()
+                .filter_map(|(k, on)| on.then_some(k))
+                .collect();
+            if kernels.is_empty() {
+                println!("skipped: this CPU has neither AVX-512 BW + VNNI nor AVX2 + FMA");
                 return Ok(());
             }
             let mut rng = StdRng::seed_from_u64(seed);
@@ -972,14 +938,16 @@ mod tests {
                 let mut q = Vec::new();
                 quantize_rows(&x, k, &mut q);
                 let w: [&[u8]; MR] = std::array::from_fn(|m| &ws[m][..]);
-                let mut simd_out = vec![[f32::NAN; MR]; rows];
                 let mut portable = vec![[f32::NAN; MR]; rows];
                 let mut buf = vec![0u8; unpacked_bytes(blocks)];
-                tile(ty, w, &q, blocks, true, &mut buf, |r, y| simd_out[r] = y);
-                tile(ty, w, &q, blocks, false, &mut buf, |r, y| portable[r] = y);
-                for (r, (s, p)) in simd_out.iter().zip(&portable).enumerate() {
-                    for m in 0..MR {
-                        prop_assert_eq!(s[m].to_bits(), p[m].to_bits(), "{:?} row {} weight {}: {} vs {}", ty, r, m, s[m], p[m]);
+                tile(ty, w, &q, blocks, Kernels::Portable, &mut buf, |r, y| portable[r] = y);
+                for &kernels in &kernels {
+                    let mut simd_out = vec![[f32::NAN; MR]; rows];
+                    tile(ty, w, &q, blocks, kernels, &mut buf, |r, y| simd_out[r] = y);
+                    for (r, (s, p)) in simd_out.iter().zip(&portable).enumerate() {
+                        for m in 0..MR {
+                            prop_assert_eq!(s[m].to_bits(), p[m].to_bits(), "{:?} {:?} row {} weight {}: {} vs {}", kernels, ty, r, m, s[m], p[m]);
+                        }
                     }
                 }
             }

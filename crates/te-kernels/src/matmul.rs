@@ -418,7 +418,8 @@ fn fused_product(input: Input<'_>, w: QuantRows<'_>, Cols { y, j0 }: Cols) {
 /// arithmetic of [`crate::int8`]) for the `w.rows` weight rows of a type of
 /// [`int8::supported`] and every token row, 4 weight rows at a time; on
 /// the AVX-512 BW + VNNI kernels with [`Isa::Avx512`] when the CPU has
-/// them, else portable (the same bits). The task must own columns `j0 ..
+/// them, else on the AVX2 ones with [`Isa::Avx512`] or [`Isa::Avx2`] when
+/// it has AVX2, FMA and F16C, else portable (the same bits). The task must own columns `j0 ..
 /// j0 + w.rows` of `y`; `panel` is its scratch panel (the unpacked weight
 /// tile).
 fn int8_product(
@@ -432,9 +433,13 @@ fn int8_product(
     let QuantRows { ty, rows, .. } = w;
     debug_assert_eq!(q8.len(), t * k / int8::QK);
     #[cfg(target_arch = "x86_64")]
-    let simd = isa == Isa::Avx512 && int8::simd();
+    let kernels = match isa {
+        Isa::Avx512 if int8::simd() => int8::Kernels::Avx512,
+        Isa::Avx512 | Isa::Avx2 if int8::avx2() => int8::Kernels::Avx2,
+        _ => int8::Kernels::Portable,
+    };
     #[cfg(not(target_arch = "x86_64"))]
-    let simd = false;
+    let kernels = int8::Kernels::Portable;
     let _ = isa;
     // The unpacked weight tile lives in the task's panel (a panel of
     // decoded f32 weights holds at least 4 rows of k floats: more bytes).
@@ -448,7 +453,7 @@ fn int8_product(
         let x = &q8[r0 * kb..(r0 + pass).min(t) * kb];
         for m0 in (0..rows).step_by(MR) {
             let (mr, wr) = w.tile(m0);
-            int8::tile(ty, wr, x, kb, simd, buf, |i, v| {
+            int8::tile(ty, wr, x, kb, kernels, buf, |i, v| {
                 for (m, &v) in v.iter().enumerate().take(mr) {
                     // SAFETY: r0 + i < t; column j0 + m0 + m is this task's.
                     unsafe { y.set(r0 + i, j0 + m0 + m, v) };

@@ -88,7 +88,7 @@ pub(crate) unsafe fn for_each_group(
 
 /// The little-endian f16 at byte `at`, as f32 (exact).
 #[target_feature(enable = "avx2,f16c")]
-fn f16_at(b: &[u8], at: usize) -> f32 {
+pub(crate) fn f16_at(b: &[u8], at: usize) -> f32 {
     let bits = u16::from_le_bytes([b[at], b[at + 1]]);
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
 }

@@ -212,16 +212,7 @@ pub(crate) fn q8_0(b: &[u8], _sub: usize, d: &__m512) -> [__m512; 2] {
 #[inline]
 #[target_feature(enable = "avx512f,avx2,f16c")]
 pub(crate) fn q4_k_block(b: &[u8]) -> Mults {
-    let word = |at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
-    let (w0, w1, w2) = (word(4), word(8), word(12));
-    // Bytes j < 4: the low 6 bits of scales[j] / scales[j + 4]; bytes
-    // j >= 4: 4 bits of scales[j + 4] with the top 2 of scales[j - 4]
-    // / scales[j] above them (`k4_scale_min`, four bytes per operation).
-    let low6 = 0x3f3f_3f3f;
-    let scale =
-        (w0 & low6) as u64 | (((w2 & 0x0f0f_0f0f) | ((w0 >> 2) & 0x3030_3030)) as u64) << 32;
-    let min =
-        (w1 & low6) as u64 | ((((w2 >> 4) & 0x0f0f_0f0f) | ((w1 >> 2) & 0x3030_3030)) as u64) << 32;
+    let (scale, min) = super::k4_scales_mins(&b[4..16]);
     let ints = _mm_set_epi64x(min as i64, scale as i64);
     // [d; 8] then [dmin; 8].
     let mul = _mm512_mask_blend_ps(0xFF00, f16_splat(b, 0), f16_splat(b, 2));

@@ -158,3 +158,19 @@ pub(crate) fn k4_scale_min(s: &[u8], j: usize) -> (f32, f32) {
         (scale as f32, min as f32)
     }
 }
+
+/// The 8 scales and the 8 mins of [`k4_scale_min`] at once, from a Q4_K
+/// block's 12 scale bytes `s`: byte `j` of the first u64 is scale `j`,
+/// byte `j` of the second min `j` (the vector decoders widen them).
+pub(crate) fn k4_scales_mins(s: &[u8]) -> (u64, u64) {
+    let word = |at: usize| u32::from_le_bytes([s[at], s[at + 1], s[at + 2], s[at + 3]]);
+    let (w0, w1, w2) = (word(0), word(4), word(8));
+    // Bytes j < 4: the low 6 bits of s[j] / s[j + 4]; bytes j >= 4: 4 bits
+    // of s[j + 4] with the top 2 of s[j - 4] / s[j] above them.
+    let low6 = 0x3f3f_3f3f;
+    let scale =
+        (w0 & low6) as u64 | (((w2 & 0x0f0f_0f0f) | ((w0 >> 2) & 0x3030_3030)) as u64) << 32;
+    let min =
+        (w1 & low6) as u64 | ((((w2 >> 4) & 0x0f0f_0f0f) | ((w1 >> 2) & 0x3030_3030)) as u64) << 32;
+    (scale, min)
+}

@@ -33,8 +33,8 @@ use crate::KernelError;
 mod format;
 mod portable;
 
-pub(crate) use format::k4_scale_min;
 pub use format::GgmlType;
+pub(crate) use format::{k4_scale_min, k4_scales_mins};
 use portable::dequantize_blocks_scalar;
 
 /// Dequantizes a tensor of type `ty` into `out` (f32, row-major: the same
@@ -178,6 +178,18 @@ pub(crate) mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// The packed Q4_K scales and mins unpacked all at once are the
+        /// ones unpacked one by one.
+        #[test]
+        fn k4_scales_mins_are_k4_scale_min(s: [u8; 12]) {
+            let (scales, mins) = k4_scales_mins(&s);
+            for j in 0..8 {
+                let (scale, min) = k4_scale_min(&s, j);
+                prop_assert_eq!((scales >> (8 * j)) as u8 as f32, scale, "scale {}", j);
+                prop_assert_eq!((mins >> (8 * j)) as u8 as f32, min, "min {}", j);
+            }
+        }
 
         /// F16 and BF16 rows widen as the scalar decoder does, bit for bit
         /// (lengths off the 8-value step included).
