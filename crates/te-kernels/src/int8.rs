@@ -61,6 +61,7 @@ pub fn supported(ty: GgmlType, k: usize) -> bool {
 
 /// The kernels a product runs on: all give the same bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) enum Kernels {
     /// AVX-512 F, BW, VNNI and F16C (`avx512`).
     Avx512,
@@ -126,7 +127,8 @@ pub(crate) fn unpacked_bytes(kb: usize) -> usize {
 /// `store(r, y)` with `y[m] = x_r · w_m` for the `MR` weight rows `w` of
 /// `ty` (each `kb` blocks, [`supported`]) and every row `r` of `x` (`kb`
 /// blocks per row, from [`quantize_rows`]), with the module's arithmetic
-/// on `kernels` (the CPU must have them: [`simd`] for AVX-512, [`avx2`]).
+/// on `kernels` (the CPU must have them: [`simd()`] for AVX-512,
+/// [`avx2()`] for AVX2).
 /// `buf` (at least [`unpacked_bytes`]) holds the unpacked tile for many
 /// rows on AVX-512. Allocates nothing.
 pub(crate) fn tile(
@@ -209,7 +211,7 @@ pub(crate) fn tile(
 }
 
 /// One output with the module's arithmetic, lane by lane (the reference
-/// the AVX-512 kernels equal bit for bit).
+/// the AVX-512 and AVX2 kernels equal bit for bit).
 pub(crate) fn dot_portable(ty: GgmlType, w: &[u8], x: &[Q8Block]) -> f32 {
     let block_bytes = ty.block_layout().expect("a block type").1;
     let mut a = [0.0f32; 16];

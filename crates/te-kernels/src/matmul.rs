@@ -418,8 +418,8 @@ fn fused_product(input: Input<'_>, w: QuantRows<'_>, Cols { y, j0 }: Cols) {
 /// arithmetic of [`crate::int8`]) for the `w.rows` weight rows of a type of
 /// [`int8::supported`] and every token row, 4 weight rows at a time; on
 /// the AVX-512 BW + VNNI kernels with [`Isa::Avx512`] when the CPU has
-/// them, else on the AVX2 ones with [`Isa::Avx512`] or [`Isa::Avx2`] when
-/// it has AVX2, FMA and F16C, else portable (the same bits). The task must own columns `j0 ..
+/// them, else on the AVX2 ones with [`Isa::Avx512`] or [`Isa::Avx2`]
+/// when it has AVX2, FMA and F16C, else portable (the same bits). The task must own columns `j0 ..
 /// j0 + w.rows` of `y`; `panel` is its scratch panel (the unpacked weight
 /// tile).
 fn int8_product(
@@ -464,7 +464,8 @@ fn int8_product(
 }
 
 /// Bytes of 8-bit activations one pass of [`int8_product`] multiplies
-/// with every weight tile (half of a 1 MiB L2).
+/// with every weight tile (half of a 1 MiB L2; all of Zen 1's 512 KiB,
+/// not tuned there).
 const INT8_PASS_BYTES: usize = 512 * 1024;
 
 /// Up to this many token rows, AVX2 decodes quantized weights in
@@ -1331,7 +1332,7 @@ mod avx2 {
             for m in 0..MR {
                 // The same block of the row MR rows on, into L1 (the
                 // AVX-512 kernels prefetch further, into L2: not measured
-                // here, no AVX2-only CPU; a prefetch never faults).
+                // for this kernel; a prefetch never faults).
                 for line in (0..block_bytes).step_by(64) {
                     _mm_prefetch::<_MM_HINT_T0>(
                         w[m].as_ptr()

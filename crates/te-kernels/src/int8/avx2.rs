@@ -1,9 +1,9 @@
 //! The int8 products with AVX2 (+ FMA, F16C): the module's arithmetic in
-//! two 8-lane halves, for CPUs without AVX-512 BW + VNNI (AMD Zen 2 and
+//! two 8-lane halves, for CPUs without AVX-512 BW + VNNI (AMD Zen 1 to
 //! 3, most Intel client CPUs). 32 products in two instructions
 //! (`vpmaddubsw`, then `vpmaddwd` with the sub-block scales), where the
-//! exact AVX2 path spends eight conversions and four multiply-adds on
-//! decoding and multiplying 32 weights.
+//! exact AVX2 path spends about 26 (widening, conversions, multiplies,
+//! subtractions, multiply-adds) on decoding and multiplying 32 weights.
 //!
 //! A group of 32 consecutive elements `32·g ..` of a block is one 256-bit
 //! vector: elements `64·c .. 64·c + 32` give lanes `0..8` of the module's
@@ -179,7 +179,7 @@ pub(super) fn tile<const Q6: bool, const MR: usize>(
             for (bi, wb) in row.chunks_exact(block_bytes).enumerate() {
                 if r0 == 0 {
                     // The same block 4 tiles on, into L2, on the first
-                    // pass only (Zen 2, decode: 8.6-8.9 t/s against
+                    // pass only (Zen 1, decode: 8.6-8.9 t/s against
                     // 7.3-8.4 without). A prefetch never faults: an
                     // address past the weights is harmless.
                     let ahead = wb.as_ptr().wrapping_add(4 * MR * w[m].len());
