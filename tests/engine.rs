@@ -39,12 +39,12 @@ fn long_text() -> String {
     text
 }
 
-/// 48 requests of 1 to 600 prompt tokens and 32 to 256 new tokens, every
+/// 32 requests of 1 to 600 prompt tokens and 24 to 184 new tokens, every
 /// third with a stop string.
 fn requests(loaded: &LoadedModel) -> Vec<Request> {
     let text = loaded.tokenizer.encode(&long_text(), true).unwrap();
     assert!(text.len() > 1300, "{} tokens", text.len());
-    (0..48usize)
+    (0..32usize)
         .map(|i| {
             let len = 1 + (i * 131) % 600;
             let start = (i * 37) % (text.len() - len);
@@ -55,7 +55,7 @@ fn requests(loaded: &LoadedModel) -> Vec<Request> {
             };
             Request {
                 stop,
-                ..Request::new(text[start..start + len].to_vec(), 32 + (i * 53) % 225)
+                ..Request::new(text[start..start + len].to_vec(), 24 + (i * 53) % 161)
             }
         })
         .collect()

@@ -1,7 +1,11 @@
-//! AVX2 + F16C decoders of whole rows, bit-identical to the scalar ones:
-//! quants are widened to i32 and converted to f32 exactly, and each value
-//! is computed with the same f32 multiply / add / subtract, in the same
-//! order, as the scalar decoder of its type (f16 → f32 is exact either way).
+//! AVX2 + F16C + FMA decoders of whole rows, bit-identical to the scalar
+//! ones: quants are widened to i32 and converted to f32 exactly, and each
+//! value is computed with the same f32 multiply / add / subtract, in the
+//! same order, as the scalar decoder of its type (f16 → f32 is exact either
+//! way). Where the scalar decoder multiplies and then adds or subtracts a
+//! minimum (Q4_1, Q5_1, Q4_K), one fused multiply-add does both: the
+//! product is exact in f32 (see [`mul_add`]), so rounding it first changes
+//! nothing.
 
 use std::arch::x86_64::*;
 
@@ -13,10 +17,11 @@ pub(crate) fn available(ty: GgmlType) -> bool {
     matches!(ty, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q4_K | Q6_K)
         && is_x86_feature_detected!("avx2")
         && is_x86_feature_detected!("f16c")
+        && is_x86_feature_detected!("fma")
 }
 
 /// [`super::dequantize_blocks`] for a type with [`available`].
-#[target_feature(enable = "avx2,f16c")]
+#[target_feature(enable = "avx2,f16c,fma")]
 pub(super) fn dequantize_blocks(ty: GgmlType, data: &[u8], out: &mut [f32]) {
     let groups = |e: usize, v: [__m256; 4]| {
         store32((&mut out[e..e + 32]).try_into().expect("32 outputs"), v)
@@ -58,8 +63,8 @@ pub(super) fn widen_halves(ty: GgmlType, data: &[u8], out: &mut [f32]) {
 /// values bit-identical to the scalar decoders.
 ///
 /// # Safety
-/// The CPU must support AVX2 and F16C, and `ty` must be one of the types
-/// [`available`] accepts (others panic).
+/// The CPU must support AVX2, F16C and FMA, and `ty` must be one of the
+/// types [`available`] accepts (others panic).
 #[inline(always)]
 pub(crate) unsafe fn for_each_group(
     ty: GgmlType,
@@ -69,7 +74,7 @@ pub(crate) unsafe fn for_each_group(
     macro_rules! each_block {
         ($decode:ident, $block_bytes:literal, $block_len:literal) => {
             for (i, b) in data.chunks_exact($block_bytes).enumerate() {
-                // SAFETY: the caller guarantees AVX2 and F16C.
+                // SAFETY: the caller guarantees AVX2, F16C and FMA.
                 unsafe { $decode(b.try_into().expect("block"), i * $block_len, &mut f) }
             }
         };
@@ -150,18 +155,22 @@ fn scale(q: [__m256; 4], d_lo: f32, d_hi: f32) -> [__m256; 4] {
     ]
 }
 
-/// `d·q + m`: a multiply, then an add (not fused).
-#[target_feature(enable = "avx2")]
+/// `d·q + m` in one fused multiply-add, the same bits as the scalar
+/// decoders' multiply and then add: `d·q` is exact in f32, since `d` has
+/// at most 17 significant bits (an f16's 11, times a 6-bit K-quant scale
+/// for Q4_K) and `q < 32` at most 5, so rounding the product first is a
+/// no-op (magnitudes stay far from overflow and from f32 subnormals).
+#[target_feature(enable = "avx2,fma")]
 fn mul_add(q: [__m256; 4], d: f32, m: f32) -> [__m256; 4] {
     let (d, m) = (_mm256_set1_ps(d), _mm256_set1_ps(m));
-    [0, 1, 2, 3].map(|i| _mm256_add_ps(_mm256_mul_ps(d, q[i]), m))
+    [0, 1, 2, 3].map(|i| _mm256_fmadd_ps(d, q[i], m))
 }
 
-/// `d·q − m`: a multiply, then a subtract (not fused).
-#[target_feature(enable = "avx2")]
+/// `d·q − m` in one fused multiply-subtract (exact product: [`mul_add`]).
+#[target_feature(enable = "avx2,fma")]
 fn mul_sub(q: [__m256; 4], d: f32, m: f32) -> [__m256; 4] {
     let (d, m) = (_mm256_set1_ps(d), _mm256_set1_ps(m));
-    [0, 1, 2, 3].map(|i| _mm256_sub_ps(_mm256_mul_ps(d, q[i]), m))
+    [0, 1, 2, 3].map(|i| _mm256_fmsub_ps(d, q[i], m))
 }
 
 /// The 32 nibbles of `qs[16]` in Q4_0 order: low nibbles, then high ones.
@@ -205,7 +214,7 @@ fn q4_0(b: &[u8; 18], e: usize, f: &mut impl FnMut(usize, [__m256; 4])) {
 }
 
 #[inline]
-#[target_feature(enable = "avx2,f16c")]
+#[target_feature(enable = "avx2,f16c,fma")]
 fn q4_1(b: &[u8; 20], e: usize, f: &mut impl FnMut(usize, [__m256; 4])) {
     let (d, m) = (f16_at(b, 0), f16_at(b, 2));
     let q = nibbles(b[4..20].try_into().expect("16"));
@@ -225,7 +234,7 @@ fn q5_0(b: &[u8; 22], e: usize, f: &mut impl FnMut(usize, [__m256; 4])) {
 }
 
 #[inline]
-#[target_feature(enable = "avx2,f16c")]
+#[target_feature(enable = "avx2,f16c,fma")]
 fn q5_1(b: &[u8; 24], e: usize, f: &mut impl FnMut(usize, [__m256; 4])) {
     let (d, m) = (f16_at(b, 0), f16_at(b, 2));
     let q = _mm256_or_si256(
@@ -244,7 +253,7 @@ fn q8_0(b: &[u8; 34], e: usize, f: &mut impl FnMut(usize, [__m256; 4])) {
 }
 
 #[inline]
-#[target_feature(enable = "avx2,f16c")]
+#[target_feature(enable = "avx2,f16c,fma")]
 fn q4_k(b: &[u8; 144], e: usize, f: &mut impl FnMut(usize, [__m256; 4])) {
     let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
     let sc = &b[4..16];

@@ -227,8 +227,11 @@ pub(crate) mod tests {
         /// The AVX2 row decoders equal the scalar ones bit for bit.
         #[test]
         fn avx2_matches_scalar_bitwise(seed: u64, n_blocks in 1usize..=12) {
-            if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c")) {
-                println!("skipped: this CPU has no AVX2 + F16C");
+            if !(is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("f16c")
+                && is_x86_feature_detected!("fma"))
+            {
+                println!("skipped: this CPU has no AVX2 + F16C + FMA");
                 return Ok(());
             }
             let mut rng = StdRng::seed_from_u64(seed);
@@ -239,7 +242,7 @@ pub(crate) mod tests {
                 let mut want = vec![f32::NAN; n_blocks * block_len];
                 let mut got = vec![f32::NAN; n_blocks * block_len];
                 dequantize_blocks_scalar(ty, &data, &mut want);
-                // SAFETY: the CPU has AVX2 and F16C (checked above).
+                // SAFETY: the CPU has AVX2, F16C and FMA (checked above).
                 unsafe { avx2::dequantize_blocks(ty, &data, &mut got) };
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     prop_assert_eq!(g.to_bits(), w.to_bits(), "{:?} element {}: {} vs {}", ty, i, g, w);
