@@ -90,6 +90,8 @@ pub(crate) fn avx2() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod prefetch;
 
 /// Weight rows of one tile (as [`crate::matmul`]'s register tiles).
 pub(crate) const MR: usize = 4;
@@ -315,18 +317,7 @@ mod avx512 {
     #[inline(always)]
     fn prefetch_ahead(w: [&[u8]; MR], at: &std::ops::Range<usize>) {
         for row in w {
-            prefetch_row_ahead(row, at);
-        }
-    }
-
-    /// [`prefetch_ahead`] for one row: bytes `at` of `row`, 4 tiles on.
-    #[inline(always)]
-    fn prefetch_row_ahead(row: &[u8], at: &std::ops::Range<usize>) {
-        let ahead = row[at.start..].as_ptr().wrapping_add(4 * MR * row.len());
-        for line in (0..at.len()).step_by(64) {
-            // SAFETY: a prefetch reads nothing architecturally (SSE, part
-            // of x86-64).
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(line).cast()) };
+            super::prefetch::row_ahead::<MR>(row, at);
         }
     }
 
@@ -712,7 +703,7 @@ mod avx512 {
                 // against 19.9-20.6 (one thread, same minutes; the loop
                 // compiles differently).
                 let off = wb.as_ptr() as usize - row.as_ptr() as usize;
-                prefetch_row_ahead(row, &(off..off + block_bytes));
+                super::prefetch::row_ahead::<MR>(row, &(off..off + block_bytes));
                 // SAFETY (the helpers): this function's features.
                 let blk = unsafe { block::<Q6>(wb) };
                 let mut acc = _mm512_setzero_si512();

@@ -419,9 +419,9 @@ fn fused_product(input: Input<'_>, w: QuantRows<'_>, Cols { y, j0 }: Cols) {
 /// [`int8::supported`] and every token row, 4 weight rows at a time; on
 /// the AVX-512 BW + VNNI kernels with [`Isa::Avx512`] when the CPU has
 /// them, else on the AVX2 ones with [`Isa::Avx512`] or [`Isa::Avx2`]
-/// when it has AVX2, FMA and F16C, else portable (the same bits). The task must own columns `j0 ..
-/// j0 + w.rows` of `y`; `panel` is its scratch panel (the unpacked weight
-/// tile).
+/// when it has AVX2, FMA and F16C, else portable (the same bits). The
+/// task must own columns `j0 .. j0 + w.rows` of `y`; `panel` is its
+/// scratch panel (the unpacked weight tile).
 fn int8_product(
     isa: Isa,
     input: Input<'_>,
@@ -490,7 +490,8 @@ fn fused_product_avx2(input: Input<'_>, w: QuantRows<'_>, Cols { y, j0 }: Cols) 
             ($nr:literal) => {{
                 let xp: [*const f32; $nr] = std::array::from_fn(|r| x[r * k..].as_ptr());
                 // SAFETY: the caller checked AVX2 + FMA (Isa::Avx2) and
-                // that `ty` has an AVX2 decoder (which checks F16C); each x
+                // that `ty` has an AVX2 decoder (which checks F16C and
+                // FMA); each x
                 // pointer starts a row of k floats, each w row holds k
                 // weights of `ty` in blocks of `block_len` / `block_bytes`.
                 let o = unsafe { avx2::fused::<$nr>(ty, &xp, &wr, k, block_len, block_bytes) };

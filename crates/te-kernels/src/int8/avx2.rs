@@ -15,7 +15,7 @@
 use std::arch::x86_64::*;
 
 use super::q8::{Q8Block, QK};
-use crate::quant::avx2::f16_at;
+use crate::quant::avx2::{f16_at, load32};
 
 /// Rows of `x` multiplied with each decoded weight block before the next
 /// block is decoded (their float lanes stay in registers: 2 each).
@@ -37,9 +37,8 @@ struct Decoded {
 /// The 32 bytes at `b[at..]`.
 #[inline(always)]
 unsafe fn bytes32(b: &[u8], at: usize) -> __m256i {
-    let v: &[u8; 32] = b[at..at + 32].try_into().expect("32 bytes");
-    // SAFETY: reads the 32 bytes of `v` (no alignment needed); AVX.
-    unsafe { _mm256_loadu_si256(v.as_ptr().cast()) }
+    // SAFETY: the caller's CPU has AVX2.
+    unsafe { load32(b[at..at + 32].try_into().expect("32 bytes")) }
 }
 
 /// Every i16 lane of the result holds i16 lane `2·p + H` of `v` (`p` the
@@ -180,12 +179,9 @@ pub(super) fn tile<const Q6: bool, const MR: usize>(
                 if r0 == 0 {
                     // The same block 4 tiles on, into L2, on the first
                     // pass only (Zen 1, decode: 8.6-8.9 t/s against
-                    // 7.3-8.4 without). A prefetch never faults: an
-                    // address past the weights is harmless.
-                    let ahead = wb.as_ptr().wrapping_add(4 * MR * w[m].len());
-                    for line in (0..block_bytes).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(line).cast());
-                    }
+                    // 7.3-8.4 without).
+                    let at = bi * block_bytes;
+                    super::prefetch::row_ahead::<MR>(w[m], &(at..at + block_bytes));
                 }
                 // SAFETY (the helpers): this function's features.
                 let dw = unsafe { decode::<Q6>(wb) };

@@ -26,7 +26,7 @@ pub(super) fn dequantize_blocks(ty: GgmlType, data: &[u8], out: &mut [f32]) {
     let groups = |e: usize, v: [__m256; 4]| {
         store32((&mut out[e..e + 32]).try_into().expect("32 outputs"), v)
     };
-    // SAFETY: this function runs only with AVX2 and F16C; `ty` is one
+    // SAFETY: this function runs only with AVX2, F16C and FMA; `ty` is one
     // of `available`'s types (the caller checked).
     unsafe { for_each_group(ty, data, groups) }
 }
@@ -104,8 +104,9 @@ fn load16(b: &[u8; 16]) -> __m128i {
     unsafe { _mm_loadu_si128(b.as_ptr().cast()) }
 }
 
+/// The 32 bytes of `b` in one register.
 #[target_feature(enable = "avx2")]
-fn load32(b: &[u8; 32]) -> __m256i {
+pub(crate) fn load32(b: &[u8; 32]) -> __m256i {
     // SAFETY: reads the 32 bytes of `b` (no alignment needed).
     unsafe { _mm256_loadu_si256(b.as_ptr().cast()) }
 }

@@ -100,7 +100,7 @@ pub fn dequantize(
 /// one of [`GgmlType::can_dequantize`]. Used for one weight row at a time.
 ///
 /// On x86_64 CPUs with AVX-512F, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K run
-/// with 16-lane decoders; with AVX2 and F16C, those and Q5_1 run with
+/// with 16-lane decoders; with AVX2, F16C and FMA, those and Q5_1 run with
 /// 8-lane ones. The values are bit-identical to the scalar decoders (the
 /// same f32 operations, or a fused multiply-add where the product is exact
 /// in f32, which rounds the same). F16 and BF16 widen 8 values per
@@ -122,7 +122,7 @@ pub fn dequantize_blocks(ty: GgmlType, data: &[u8], out: &mut [f32]) {
     }
     #[cfg(target_arch = "x86_64")]
     if avx2::available(ty) {
-        // SAFETY: `available` checked that the CPU has AVX2 and F16C.
+        // SAFETY: `available` checked that the CPU has AVX2, F16C and FMA.
         return unsafe { avx2::dequantize_blocks(ty, data, out) };
     }
     dequantize_blocks_scalar(ty, data, out)
