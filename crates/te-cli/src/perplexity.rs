@@ -21,6 +21,9 @@ pub struct Args {
     /// Windows per forward step (default: as many as keep the logits near 512 MiB).
     #[arg(long)]
     batch_windows: Option<usize>,
+    /// Score only the first N windows (llama-perplexity's `--chunks`; default: all).
+    #[arg(long)]
+    chunks: Option<std::num::NonZeroUsize>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -57,7 +60,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .batch_windows
             .unwrap_or_else(|| default_batch_windows(ctx, model.config.vocab_size)),
     };
-    let bar = indicatif::ProgressBar::new((tokens.len() / ctx.max(1)) as u64);
+    // Windows are independent and start at multiples of ctx, so the first
+    // N windows are those of the text's first N * ctx tokens.
+    let scored = match args.chunks {
+        Some(n) => &tokens[..tokens.len().min(n.get().saturating_mul(ctx))],
+        None => &tokens[..],
+    };
+    let bar = indicatif::ProgressBar::new((scored.len() / ctx.max(1)) as u64);
     bar.set_style(
         indicatif::ProgressStyle::with_template(
             "{bar:40} {pos}/{len} windows {msg} [{elapsed}<{eta}]",
@@ -65,7 +74,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .expect("valid template"),
     );
     let mut running = String::new();
-    let result = perplexity(model, &tokens, &params, |done, _, ppl| {
+    let result = perplexity(model, scored, &params, |done, _, ppl| {
         bar.set_position(done as u64);
         bar.set_message(format!("ppl {ppl:.4}"));
         running.push_str(&format!("[{done}]{ppl:.4},"));
