@@ -185,12 +185,11 @@ fn structured_outputs_and_tool_calls_on_smollm2_and_qwen() {
     }
 }
 
-/// The tool round trip (tests/serve/tools.py) on Qwen2.5-Coder-1.5B, the
-/// issue's model: about 3 minutes on two cores, so run on demand
-/// (`cargo test -p te-cli --test serve -- --ignored`); the default test
-/// above covers the same checks on the 0.5B.
+/// The tool round trip (tests/serve/tools.py) on Qwen2.5-Coder-1.5B:
+/// about 3 minutes on two cores, so long; the default test above covers
+/// the same checks on the 0.5B.
 #[test]
-#[ignore = "about 3 minutes: cargo test -p te-cli --test serve -- --ignored"]
+#[ignore = "long: cargo xtask test --long"]
 fn tool_calls_on_qwen_coder_1_5b() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     if !have(&["openai", "jsonschema"], &[]) {

@@ -9,7 +9,10 @@
 //! - no crate has a cycle among its source files (modules): one file's
 //!   `crate::`/`super::`/`self::`/child-module paths point at another's, and
 //!   the graph of those references has no strongly connected component
-//!   bigger than one file.
+//!   bigger than one file;
+//! - an ignored test is either long (in te-cli's tests, `tests/`, run by
+//!   `cargo xtask test --long`) or a device test (elsewhere, run by
+//!   `--gpu`), and says which: no test is ignored that neither runs.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -55,6 +58,35 @@ fn fail_all(what: &str, failures: &[String]) {
             failures.join("\n\n")
         );
     }
+}
+
+const LONG: &str = "#[ignore = \"long: cargo xtask test --long\"]";
+const GPU: &str = "#[ignore = \"needs a CUDA GPU: cargo xtask test --gpu\"]";
+
+#[test]
+fn every_ignored_test_is_long_in_te_cli_or_a_device_test_elsewhere() {
+    let mut files = Vec::new();
+    rust_files(&root().join("tests"), &mut files);
+    let long_files = files.len();
+    for dir in crate_dirs() {
+        rust_files(&root().join(dir), &mut files);
+    }
+    let mut failures = Vec::new();
+    for (i, path) in files.iter().enumerate() {
+        let want = if i < long_files { LONG } else { GPU };
+        let text = std::fs::read_to_string(path).unwrap();
+        for (n, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.starts_with("#[ignore") && line != want {
+                failures.push(format!(
+                    "{}:{}: `{line}`: an ignored test here reads `{want}`",
+                    path.display(),
+                    n + 1
+                ));
+            }
+        }
+    }
+    fail_all("ignored tests", &failures);
 }
 
 #[test]

@@ -35,7 +35,7 @@ fn main() -> anyhow::Result<()> {
             eprintln!(
                 "usage: cargo xtask <command>\n\n\
                  commands:\n  \
-                 test [--gpu]       run every test (fetches the test models first)\n  \
+                 test [--gpu] [--long]  run the tests (fetches the test models first; --long adds the long ones)\n  \
                  bench [SECTION]    kernels, attention, models, engine, serve, context-parallel\n  \
                  bench --vs-llama-cpp [--threads N] [--rounds R] [--precision exact|int8]  te-rs and llama.cpp, same files, same run (2 threads, 3 rounds, exact)\n  \
                  kernels            compile crates/*/kernels/*.cu with NVRTC for sm_80 and sm_90\n  \
