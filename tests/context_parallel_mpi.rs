@@ -1,5 +1,6 @@
 //! `te generate --context-parallel mpi` under `mpirun` (a build with
-//! `--features mpi`; `.ci/run` installs OpenMPI): the reference greedy
+//! `--features mpi`, which `cargo xtask test` makes where `mpicc` and
+//! `mpirun` are found; `.ci/run` installs OpenMPI): the reference greedy
 //! tokens at 2 and 3 ranks, over the default transport and TCP (and
 //! Qwen2.5-Coder 0.5B's at 2 ranks), and a
 //! killed rank ends the job within 10 s naming it.
