@@ -93,23 +93,7 @@ fn check_roundtrip(model: &str) {
     }
 
     for line in read_jsonl(model, "tokenize.jsonl") {
-        let text = line["text"].as_str().unwrap();
-        let o = te_json(&["tokenize", "--model", out_str, "--json", "--text", text]);
-        assert_eq!(ids(&o[0]["ids"]), ids(&line["ids"]), "text {text:?}");
-        let o = te_json(&[
-            "tokenize",
-            "--model",
-            out_str,
-            "--json",
-            "--no-parse-special",
-            "--text",
-            text,
-        ]);
-        assert_eq!(
-            ids(&o[0]["ids"]),
-            ids(&line["ids_no_parse_special"]),
-            "text {text:?}"
-        );
+        check_tokenize_cli(out_str, &line);
     }
 
     // The chat template travels in tokenizer_config.json: same chat prompt.

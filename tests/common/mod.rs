@@ -253,9 +253,9 @@ pub fn int8_top20_deviation(model_name: &str) -> ([f64; 2], usize, usize) {
 
 /// The model's tokenizer (loaded once, as `te tokenize` loads it) gives
 /// `ids` for every `tokenize.jsonl` line, and `ids_no_parse_special`
-/// without special-token parsing; `te tokenize --json` (with and without
-/// `--no-parse-special`) gives the same for one line (the first whose two
-/// differ, if any).
+/// without special-token parsing; [`check_tokenize_cli`] checks the same
+/// through `te tokenize` for one line (the first whose two differ, if
+/// any).
 pub fn check_tokenize(model: &str) {
     let source = te_models::source::resolve_model(model).expect("run `cargo xtask fetch-models`");
     let tokenizer = te_models::loader::load_tokenizer(&source).unwrap();
@@ -271,18 +271,24 @@ pub fn check_tokenize(model: &str) {
         .iter()
         .find(|l| l["ids"] != l["ids_no_parse_special"])
         .unwrap_or(&lines[0]);
+    check_tokenize_cli(model, line);
+}
+
+/// `te tokenize --json --model MODEL` (a name or a path) of a
+/// `tokenize.jsonl` line's `text` gives its `ids`, and its
+/// `ids_no_parse_special` with `--no-parse-special`, echoing the text.
+pub fn check_tokenize_cli(model: &str, line: &Value) {
     let text = line["text"].as_str().unwrap();
-    let out = te_json(&["tokenize", "--model", model, "--json", "--text", text]);
-    assert_eq!(ids(&out[0]["ids"]), ids(&line["ids"]), "text {text:?}");
-    assert_eq!(out[0]["text"], text);
-    let mut args = vec!["tokenize", "--model", model, "--json"];
-    args.extend(["--no-parse-special", "--text", text]);
-    let out = te_json(&args);
-    assert_eq!(
-        ids(&out[0]["ids"]),
-        ids(&line["ids_no_parse_special"]),
-        "text {text:?}"
-    );
+    for (flag, key) in [
+        (None, "ids"),
+        (Some("--no-parse-special"), "ids_no_parse_special"),
+    ] {
+        let mut args = vec!["tokenize", "--model", model, "--json", "--text", text];
+        args.extend(flag);
+        let out = te_json(&args);
+        assert_eq!(ids(&out[0]["ids"]), ids(&line[key]), "{key} of {text:?}");
+        assert_eq!(out[0]["text"], text);
+    }
 }
 
 /// A `te serve` child process that has started listening.

@@ -33,7 +33,7 @@ use std::process::Command;
 use anyhow::{bail, Context};
 
 /// The package whose tests hold every long test (and no GPU test).
-pub const LONG_TESTS_PACKAGE: &str = "te-cli";
+const LONG_TESTS_PACKAGE: &str = "te-cli";
 
 /// The features that build the MPI transport and its tests.
 const MPI_FEATURES: &str = "te-cli/mpi,te-ring/mpi";
