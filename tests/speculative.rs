@@ -216,7 +216,8 @@ fn a_draft_model_of_another_vocabulary_is_refused() {
 
 /// Qwen2.5-Coder 0.5B drafting for the 1.5B: every reference prompt of
 /// the 1.5B gets its reference tokens, batched. Slow on two cores (the
-/// 1.5B's 1,020-token prompt, twice the models), so long; the claim is covered by default by the tiny-model draft tests
+/// 1.5B's 1,020-token prompt, twice the models), so long; the claim is
+/// covered by default by the tiny-model draft tests
 /// (`crates/te-engine/tests/speculative.rs`) and SmolLM2 drafting for
 /// itself above.
 #[test]
