@@ -27,7 +27,8 @@
 //!
 //! The same CPU ops take `ndarray` views in [`nd`] (shapes and strides read
 //! from the views, sliced and permuted views accepted); [`ndarray`] is
-//! re-exported so callers use the same version.
+//! re-exported so callers use the same version, and so is [`half`], whose
+//! `f16` and `bf16` are element types ([`Element`]).
 //!
 //! Invariants: te-kernels knows nothing of models, caches' bookkeeping or
 //! attention; every op validates its arguments up front and returns
@@ -50,6 +51,7 @@ pub mod quant;
 pub mod rope;
 mod shared_mut;
 
+pub use half;
 pub use ndarray;
 
 pub use element::{DType, Element};

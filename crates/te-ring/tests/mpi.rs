@@ -1,4 +1,4 @@
-//! te-ring over real MPI processes: runs the `mpi_ring` example under
+//! te-ring over real MPI processes: runs the `mpi_ring` program under
 //! `mpirun` on 2 and 3 ranks, with the default transports and with TCP
 //! only, in each of its modes; and kills one rank mid-run to check that
 //! `mpirun` tears the job down quickly, naming the rank. `mpirun` must be
@@ -11,35 +11,10 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc::channel;
 use std::time::{Duration, Instant};
 
-/// The `mpi_ring` example, built by the same cargo as this test (one
-/// build at a time: this test's cargo has released its lock by now).
-fn example() -> PathBuf {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let out = Command::new(cargo)
-        .args([
-            "build",
-            "-p",
-            "te-ring",
-            "--features",
-            "mpi",
-            "--example",
-            "mpi_ring",
-        ])
-        .args(["--message-format", "short"])
-        .output()
-        .expect("running cargo to build the mpi_ring example");
-    assert!(
-        out.status.success(),
-        "building mpi_ring failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    // This test runs as target/<profile>/deps/mpi-<hash>; cargo build
-    // (dev profile) puts examples in target/debug/examples.
-    let exe = std::env::current_exe().unwrap();
-    let target = exe.ancestors().nth(3).unwrap().to_path_buf();
-    let path = target.join("debug").join("examples").join("mpi_ring");
-    assert!(path.exists(), "{} was not built", path.display());
-    path
+/// The ranks' program (te-ring's `mpi_ring` bin, built by cargo with
+/// this test and the same features).
+fn program() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_mpi_ring"))
 }
 
 /// `mpirun` with the flags every run needs (root in containers, more
@@ -69,7 +44,7 @@ fn mpirun_is_installed() {
 
 #[test]
 fn every_mode_passes_on_2_and_3_ranks_over_each_transport() {
-    let exe = example();
+    let exe = program();
     for np in [2, 3] {
         for btl in [None, Some("self,tcp")] {
             for mode in ["check", "mismatch", "gather-mismatch", "oversized"] {
@@ -101,7 +76,7 @@ fn every_mode_passes_on_2_and_3_ranks_over_each_transport() {
 
 #[test]
 fn killing_a_rank_ends_the_job_quickly_naming_it() {
-    let exe = example();
+    let exe = program();
     for btl in [None, Some("self,tcp")] {
         let mut child = mpirun(3, btl)
             .arg(&exe)

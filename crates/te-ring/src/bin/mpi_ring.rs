@@ -19,8 +19,8 @@
 
 use std::process::ExitCode;
 
-use half::bf16;
 use te_attention::{AttnMaskType, AttnMetadata, AttnOutput, DotProductAttention, KvInput};
+use te_kernels::half::bf16;
 use te_kernels::{Element, QkvFormat};
 use te_ring::{
     agree, all_gather, all_merge, all_reduce_min, Block, Communicator, MpiComm, RingAttention,
