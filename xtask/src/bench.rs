@@ -55,9 +55,16 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         }
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         println!(
-            "\nf32 FMA peak, {threads} threads: {:.1} GFLOP/s\n",
+            "\nf32 FMA peak, {threads} threads: {:.1} GFLOP/s",
             crate::bench_limits::fma_peak(threads)
         );
+        if let Some(mix) = crate::bench_limits::tile_mix_peak(threads) {
+            println!(
+                "The same FMAs with the AVX-512 register tile's loads (10 L1-resident \
+                 64-byte loads per 24 FMAs), {threads} threads: {mix:.1} GFLOP/s"
+            );
+        }
+        println!();
     }
     if wanted("attention") {
         println!("## CPU attention\n");

@@ -1,6 +1,7 @@
 //! The machine's limits, measured where the figures they bound are:
-//! read bandwidth (a parallel sum over a buffer) and the f32 FMA peak
-//! (independent fused multiply-add chains on every thread), and what a
+//! read bandwidth (a parallel sum over a buffer), the f32 FMA peak
+//! (independent fused multiply-add chains on every thread) and the same
+//! FMAs fed by the matrix kernel's loads, and what a
 //! model's token costs against them (weight bytes read, multiply-adds),
 //! from its GGUF file's tensor table.
 
@@ -68,6 +69,44 @@ pub fn fma_peak(threads: usize) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// Steps of [`x86::tile_mix`] per thread in one timed call (24 FMAs each).
+const MIX_STEPS: usize = 8_000_000;
+
+/// The f32 multiply-add rate (GFLOP/s) of `threads` threads running the
+/// instruction mix of te-kernels' AVX-512 register tile (`matmul`: 4
+/// weight rows x 6 token rows): each step loads 10 64-byte vectors from
+/// an L1-resident buffer and issues 24 independent FMAs on them, all
+/// threads at once, the best of 3 runs. The FMA peak bounds it; the
+/// difference is what the loads cost the FMAs on this core at this
+/// moment. On a virtual machine whose core's sibling hyperthread runs
+/// another tenant's loads it fell to 70-80% of the peak for seconds at a
+/// time, while the peak itself moved by a few percent. `None` without
+/// AVX-512F.
+pub fn tile_mix_peak(threads: usize) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        let best = (0..3)
+            .map(|_| {
+                let t = Instant::now();
+                std::thread::scope(|s| {
+                    let handles: Vec<_> = (0..threads)
+                        // SAFETY: AVX-512F is present (checked above).
+                        .map(|_| s.spawn(|| unsafe { x86::tile_mix(MIX_STEPS) }))
+                        .collect();
+                    for h in handles {
+                        std::hint::black_box(h.join().expect("an FMA thread panicked"));
+                    }
+                });
+                let flops = 2.0 * (threads * 24 * 16 * MIX_STEPS) as f64;
+                flops / t.elapsed().as_secs_f64() / 1e9
+            })
+            .fold(0.0, f64::max);
+        return Some(best);
+    }
+    let _ = threads;
+    None
+}
+
 /// The widest FMA chains this processor runs: (f32 lanes, function).
 fn best_chains() -> (usize, fn(usize) -> f32) {
     #[cfg(target_arch = "x86_64")]
@@ -117,6 +156,38 @@ mod x86 {
             }
         }
         acc.iter().map(|&v| _mm512_reduce_add_ps(v)).sum()
+    }
+
+    /// `steps` steps of the register tile's mix: 6 and then 4 vectors
+    /// loaded from a 40 KiB buffer (10 consecutive lines a step, the
+    /// buffer walked in a cycle of 64 steps, so every load hits L1), and
+    /// the 24 products of the pairs accumulated into 24 registers
+    /// (`acc = fma(x, w, acc)`); the lanes' sum of the accumulators.
+    ///
+    /// # Safety
+    /// The processor must have AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn tile_mix(steps: usize) -> f32 {
+        const STEP: usize = 10 * 16;
+        let buf: Vec<f32> = (0..64 * STEP + 16).map(|i| 1e-3 * (i % 7) as f32).collect();
+        // The first line boundary (loads never straddle two lines).
+        let base = buf[buf.as_ptr().align_offset(64)..].as_ptr();
+        let mut acc = [[_mm512_setzero_ps(); 6]; 4];
+        for i in 0..steps {
+            // SAFETY: step `i % 64` reads floats up to 64 * STEP past
+            // `base`, inside `buf`.
+            let p = unsafe { base.add(i % 64 * STEP) };
+            // SAFETY: as above.
+            let x: [__m512; 6] = std::array::from_fn(|r| unsafe { _mm512_loadu_ps(p.add(16 * r)) });
+            for (m, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: as above.
+                let w = unsafe { _mm512_loadu_ps(p.add(16 * (6 + m))) };
+                for (a, &x) in acc.iter_mut().zip(&x) {
+                    *a = _mm512_fmadd_ps(x, w, *a);
+                }
+            }
+        }
+        acc.iter().flatten().map(|&v| _mm512_reduce_add_ps(v)).sum()
     }
 
     /// [`CHAINS`] chains of `steps` `_mm256_fmadd_ps`, as [`chains_512`].
