@@ -30,8 +30,9 @@
 //! token rows, quantized weights are decoded in registers 32 at a time
 //! and multiplied into a 4 weight rows x t token rows tile at once
 //! (decode). Otherwise each task decodes panels of 256 KiB of f32
-//! weights (at least 32 rows for long rows; 4 rows, one tile, for at most
-//! 16 token rows; f32 weights are read in place) and runs every register
+//! weights (at least 32 rows for long rows, unless `x` fits in 5/8 of the
+//! L2; 4 rows, one tile, for at most 16 token rows; f32 weights are read
+//! in place) and runs every register
 //! tile of `x` against the panel, so each weight block is decoded once per
 //! step whatever `t` is (panel rows start on cache lines, and are one line
 //! further apart when `k` is a multiple of 1024, so that the tile's rows
@@ -184,12 +185,13 @@ const MR: usize = 4;
 // The int8 tiles take the same weight rows ([`QuantRows::tile`]).
 const _: () = assert!(int8::MR == MR);
 
-/// The fewest weight rows a decoded panel holds, whatever `k`. Each panel
-/// reads all of `x` once, so rows of Qwen2.5-Coder 1.5B's down projection
-/// (`k` = 8960: 7 rows in [`PANEL_BYTES`], rounded down to 4) streamed its
-/// 128 token rows (4.6 MB, past L2) from memory for every 4 weight rows:
-/// 130 GFLOP/s at `t` = 128 against 200-213 with 32-row panels (1.1 MiB,
-/// within this processor's 2 MiB L2), same minutes.
+/// The fewest weight rows a decoded panel holds when `x` does not stay
+/// in L2 ([`panel_rows`]). Each panel reads all of `x` once, so rows of
+/// Qwen2.5-Coder 1.5B's down projection (`k` = 8960: 7 rows in
+/// [`PANEL_BYTES`], rounded down to 4) streamed its 128 token rows (4.6
+/// MB, past L2) from memory for every 4 weight rows: 130 GFLOP/s at `t` =
+/// 128 against 200-213 with 32-row panels (1.1 MiB, within this
+/// processor's 2 MiB L2), same minutes.
 const MIN_PROWS: usize = 32;
 
 /// Up to this many token rows, a panel is one register tile of weight
@@ -201,18 +203,52 @@ const MIN_PROWS: usize = 32;
 /// rows on, the same within noise.
 const FEW_ROWS: usize = 16;
 
+/// The share of L2 (numerator, denominator) that `x: [t, k]` may fill
+/// for panels of [`PANEL_BYTES`] alone to be used, however few rows that
+/// is ([`panel_rows`]). Measured on a 2 MiB L2 (an Emerald Rapids Xeon,
+/// 2 threads, the two panel sizes alternating in one process): Qwen2.5-
+/// Coder 1.5B's down projection (`k` = 8960, 4-row panels against 32-row
+/// ones) 10-16% faster at 17-32 token rows (`x` 0.6-1.15 MB), the same
+/// at 40 (1.43 MB), 2-10% slower at 48 (1.72 MB).
+const X_IN_L2: (usize, usize) = (5, 8);
+
+/// Bytes of the L2 cache of the CPU the products run on (Linux: cpu0's
+/// unified level-2 cache in sysfs), read once; `None` where unknown.
+fn l2_bytes() -> Option<usize> {
+    static L2: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *L2.get_or_init(|| {
+        let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+        dir.flatten().find_map(|index| {
+            let read = |f: &str| std::fs::read_to_string(index.path().join(f)).ok();
+            if read("level")?.trim() != "2" || read("type")?.trim() != "Unified" {
+                return None;
+            }
+            let kib: usize = read("size")?.trim().strip_suffix('K')?.parse().ok()?;
+            Some(kib * 1024)
+        })
+    })
+}
+
 /// Parallel tasks per pool thread (balance on a machine shared with
 /// other work).
 const TASKS_PER_THREAD: usize = 4;
 
-/// Panel rows for row length `k` and `t` token rows: [`MR`] for at most
-/// [`FEW_ROWS`] token rows, else a multiple of [`MR`], at least
-/// [`MIN_PROWS`].
-fn panel_rows(k: usize, t: usize) -> usize {
+/// Panel rows for row length `k`, `t` token rows and an L2 of `l2` bytes
+/// ([`l2_bytes`]): [`MR`] for at most [`FEW_ROWS`] token rows; else a
+/// multiple of [`MR`] in [`PANEL_BYTES`] (at least [`MR`]), raised to
+/// [`MIN_PROWS`] unless `x` fits in [`X_IN_L2`] of the L2 (then `x`
+/// stays there while every panel reads it, and larger panels only crowd
+/// it out).
+fn panel_rows(k: usize, t: usize, l2: Option<usize>) -> usize {
     if t <= FEW_ROWS {
-        MR
+        return MR;
+    }
+    let rows = (PANEL_BYTES / (4 * k.max(1)) / MR * MR).max(MR);
+    let (num, den) = X_IN_L2;
+    if l2.is_some_and(|l2| 4 * t * k <= l2 / den * num) {
+        rows
     } else {
-        (PANEL_BYTES / (4 * k.max(1)) / MR * MR).max(MIN_PROWS)
+        rows.max(MIN_PROWS)
     }
 }
 
@@ -598,7 +634,7 @@ pub(crate) fn matmul_many_into_isa<const N: usize>(
         *first = tasks;
         tasks += p.n.div_ceil(rows_per_task);
     }
-    let prows = panel_rows(k, t).min(rows_per_task);
+    let prows = panel_rows(k, t, l2_bytes()).min(rows_per_task);
     // Per task: the decoded panel (quantized weights; f32 weights are read
     // in place), then the k-blocked kernel's accumulator state.
     // (Empty when k is one block: the kernel then keeps its accumulators
@@ -1448,7 +1484,7 @@ mod tests {
         // grows it with zeros): every value the kernel reads from it (not
         // the panels' padding) is written first.
         let tasks = (rayon::current_num_threads().max(1) * TASKS_PER_THREAD).min(n.div_ceil(MR));
-        let prows = panel_rows(k, t).min(n.div_ceil(MR) * MR);
+        let prows = panel_rows(k, t, l2_bytes()).min(n.div_ceil(MR) * MR);
         let panel =
             (prows * panel_stride(k) + STATE_ROWS * (prows + MR) * 16 + 1).next_multiple_of(LINE);
         let mut scratch = Scratch {
@@ -1590,7 +1626,7 @@ mod tests {
             // many token rows; with few, panels are one tile).
             let tasks = rayon::current_num_threads().max(1) * TASKS_PER_THREAD;
             let n = if n == 0 {
-                tasks * (panel_rows(k, FEW_ROWS + 1) + MR)
+                tasks * (panel_rows(k, FEW_ROWS + 1, None) + MR)
             } else {
                 n
             };
@@ -1730,6 +1766,24 @@ mod tests {
 
     /// The lane tree and the zero-padded tail, by hand: 40 columns put
     /// three products in lanes 0..8 and two in lanes 8..16.
+    #[test]
+    fn panel_rows_by_hand() {
+        let l2 = Some(2 << 20);
+        // At most 16 token rows: one tile, whatever k.
+        assert_eq!(panel_rows(8960, 16, l2), MR);
+        // k = 8960: 256 KiB holds 7 rows, rounded down to 4. x of 32 rows
+        // (1146880 bytes) fits 5/8 of 2 MiB (1310720); of 48 rows
+        // (1720320) it does not, and neither does any with L2 unknown.
+        assert_eq!(panel_rows(8960, 32, l2), 4);
+        assert_eq!(panel_rows(8960, 36, l2), 4);
+        assert_eq!(panel_rows(8960, 37, l2), MIN_PROWS);
+        assert_eq!(panel_rows(8960, 48, l2), MIN_PROWS);
+        assert_eq!(panel_rows(8960, 32, None), MIN_PROWS);
+        // k = 1536: 256 KiB holds 42 rows, 40 in whole tiles, above 32.
+        assert_eq!(panel_rows(1536, 32, l2), 40);
+        assert_eq!(panel_rows(1536, 512, None), 40);
+    }
+
     #[test]
     fn portable_dot_by_hand() {
         let x: Vec<f32> = (0..40).map(|c| c as f32).collect();
