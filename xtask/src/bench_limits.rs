@@ -54,17 +54,23 @@ const STEPS: usize = 20_000_000;
 /// all threads at once: the best of 3 runs.
 pub fn fma_peak(threads: usize) -> f64 {
     let (lanes, run): (usize, fn(usize) -> f32) = best_chains();
+    let flops = 2.0 * (CHAINS * STEPS * lanes) as f64;
+    all_threads_gflops(threads, flops, || run(STEPS))
+}
+
+/// GFLOP/s of `threads` threads each running `run` (`flops` FLOP per
+/// call, its result kept from the optimizer) at once: the best of 3 runs.
+fn all_threads_gflops(threads: usize, flops: f64, run: impl Fn() -> f32 + Sync) -> f64 {
     (0..3)
         .map(|_| {
             let t = Instant::now();
             std::thread::scope(|s| {
-                let handles: Vec<_> = (0..threads).map(|_| s.spawn(|| run(STEPS))).collect();
+                let handles: Vec<_> = (0..threads).map(|_| s.spawn(&run)).collect();
                 for h in handles {
                     std::hint::black_box(h.join().expect("an FMA thread panicked"));
                 }
             });
-            let flops = 2.0 * (threads * CHAINS * STEPS * lanes) as f64;
-            flops / t.elapsed().as_secs_f64() / 1e9
+            threads as f64 * flops / t.elapsed().as_secs_f64() / 1e9
         })
         .fold(0.0, f64::max)
 }
@@ -85,23 +91,10 @@ const MIX_STEPS: usize = 8_000_000;
 pub fn tile_mix_peak(threads: usize) -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
-        let best = (0..3)
-            .map(|_| {
-                let t = Instant::now();
-                std::thread::scope(|s| {
-                    let handles: Vec<_> = (0..threads)
-                        // SAFETY: AVX-512F is present (checked above).
-                        .map(|_| s.spawn(|| unsafe { x86::tile_mix(MIX_STEPS) }))
-                        .collect();
-                    for h in handles {
-                        std::hint::black_box(h.join().expect("an FMA thread panicked"));
-                    }
-                });
-                let flops = 2.0 * (threads * 24 * 16 * MIX_STEPS) as f64;
-                flops / t.elapsed().as_secs_f64() / 1e9
-            })
-            .fold(0.0, f64::max);
-        return Some(best);
+        let flops = 2.0 * (24 * 16 * MIX_STEPS) as f64;
+        // SAFETY: AVX-512F is present (checked above).
+        let run = || unsafe { x86::tile_mix(MIX_STEPS) };
+        return Some(all_threads_gflops(threads, flops, run));
     }
     let _ = threads;
     None
