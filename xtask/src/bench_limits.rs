@@ -85,7 +85,7 @@ const MIX_STEPS: usize = 8_000_000;
 /// threads at once, the best of 3 runs. The FMA peak bounds it; the
 /// difference is what the loads cost the FMAs on this core at this
 /// moment. On a virtual machine whose core's sibling hyperthread runs
-/// another tenant's loads it fell to 70-80% of the peak for seconds at a
+/// another tenant's loads it fell to 65-80% of the peak for seconds at a
 /// time, while the peak itself moved by a few percent. `None` without
 /// AVX-512F.
 pub fn tile_mix_peak(threads: usize) -> Option<f64> {
