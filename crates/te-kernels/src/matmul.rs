@@ -26,10 +26,10 @@
 //! # Blocking
 //!
 //! The weight rows are split over the rayon pool (a task owns a range of
-//! output columns and writes them in place). With AVX-512 and at most 6
-//! token rows, quantized weights are decoded in registers 32 at a time
-//! and multiplied into a 4 weight rows x t token rows tile at once
-//! (decode). Otherwise each task decodes panels of 256 KiB of f32
+//! output columns and writes them in place). With AVX-512 and at most 8
+//! token rows, quantized weights are decoded in registers 32 at a time,
+//! 2 weight rows at once, and multiplied into a 2 weight rows x t token
+//! rows tile (decode). Otherwise each task decodes panels of 256 KiB of f32
 //! weights (at least 32 rows for long rows, unless `x` fits in 5/8 of the
 //! L2; 4 rows, one tile, for at most 16 token rows; f32 weights are read
 //! in place) and runs every register
@@ -199,8 +199,9 @@ const MIN_PROWS: usize = 32;
 /// with few rows each weight is used a few times only, and the tile then
 /// waits on L2 for the panel it has just decoded. Qwen2.5-Coder 1.5B's
 /// gate and up projections at 8 rows (a verification of 7 drafted
-/// tokens): 2.75-2.82 ms against 3.12-3.25 with 40-row panels; from 32
-/// rows on, the same within noise.
+/// tokens, before [`FUSED_MAX_ROWS`] took those rows): 2.75-2.82 ms
+/// against 3.12-3.25 with 40-row panels; from 32 rows on, the same within
+/// noise.
 const FEW_ROWS: usize = 16;
 
 /// The share of L2 (numerator, denominator) that `x: [t, k]` may fill
@@ -334,11 +335,11 @@ struct QuantRows<'a> {
 }
 
 impl<'a> QuantRows<'a> {
-    /// The [`MR`] weight rows of the tile starting at row `m0`, and how
+    /// The `M` weight rows of the tile starting at row `m0`, and how
     /// many of them are real: rows past the edge repeat the first one
     /// (computed, never stored).
-    fn tile(&self, m0: usize) -> (usize, [&'a [u8]; MR]) {
-        let mr = MR.min(self.rows - m0);
+    fn tile<const M: usize>(&self, m0: usize) -> (usize, [&'a [u8]; M]) {
+        let mr = M.min(self.rows - m0);
         let (data, row_bytes) = (self.data, self.row_bytes);
         let rows = std::array::from_fn(|m| {
             let j = m0 + if m < mr { m } else { 0 };
@@ -385,10 +386,30 @@ struct Task<'a> {
     int8: bool,
 }
 
-/// Up to this many token rows (one AVX-512 register tile), quantized
-/// weights are decoded in registers instead of into a panel.
+/// Up to this many token rows, quantized weights are decoded in
+/// registers instead of into a panel (AVX-512). Past that, 4-row panels
+/// were as fast or faster (Q4_K `[8960, 1536]`, 2 threads: registers
+/// 0.108 against the panels' 0.106 ns a weight at 10 token rows, 0.134
+/// against 0.122 at 12): the compiler keeps later groups' decoded values
+/// live and spills the accumulators to the stack, with intrinsics or with
+/// the multiply-adds written in assembly.
 #[cfg(target_arch = "x86_64")]
-const FUSED_MAX_ROWS: usize = 6;
+const FUSED_MAX_ROWS: usize = 8;
+
+/// Weight rows of the register-decoded tile (AVX-512): each group of 32
+/// weights of both rows is decoded once and multiplied with every token
+/// row, so `x` is loaded once per group for both. Against the earlier
+/// tiles of 4 weight rows up to 6 token rows (each row's group decoded
+/// and multiplied in turn, `x` loaded for each; 4-row panels for 7 and
+/// 8), the `[8960, 1536]` products of Qwen2.5-Coder 1.5B's shape, 2
+/// threads, both in one process, best of 45 (Emerald Rapids Xeon): Q4_K
+/// 8-21% faster at 1 to 8 token rows (0.052 -> 0.048 ns a weight at 1,
+/// 0.088 -> 0.075 at 4); Q6_K 0-10%; Q4_0, Q4_1 and Q8_0 the same at 1
+/// to 4 rows, 35-54% faster at 6 (the 4 x 6 tile spilled its
+/// accumulators) and 8-25% at 7 and 8; Q5_0 the same to 6 rows, 16-24%
+/// faster at 7 and 8. Bit-identical outputs.
+#[cfg(target_arch = "x86_64")]
+const FUSED_MR: usize = 2;
 
 /// Whether `ty` has an AVX-512 group decoder for the fused kernels.
 #[cfg(target_arch = "x86_64")]
@@ -399,16 +420,16 @@ fn fused_type(ty: GgmlType) -> bool {
 
 /// `y[i, j0 + j] = x_i · w_j` for the `w.rows` weight rows of GGUF blocks
 /// and every row of `x: [t, k]` (`t <=` [`FUSED_MAX_ROWS`]), decoded in
-/// registers. Needs AVX-512 and a type of [`fused_type`]; the task must own
-/// columns `j0 .. j0 + w.rows` of `y`.
+/// registers, [`FUSED_MR`] weight rows at a time. Needs AVX-512 and a type
+/// of [`fused_type`]; the task must own columns `j0 .. j0 + w.rows` of `y`.
 #[cfg(target_arch = "x86_64")]
 fn fused_product(input: Input<'_>, w: QuantRows<'_>, Cols { y, j0 }: Cols) {
     let Input { x, t, k, .. } = input;
     let QuantRows { ty, rows, .. } = w;
     debug_assert!(t <= FUSED_MAX_ROWS && x.len() == t * k);
-    for m0 in (0..rows).step_by(MR) {
-        let (mr, wr) = w.tile(m0);
-        let mut out = [[0.0f32; 6]; MR];
+    for m0 in (0..rows).step_by(FUSED_MR) {
+        let (mr, wr) = w.tile::<FUSED_MR>(m0);
+        let mut out = [[0.0f32; FUSED_MAX_ROWS]; FUSED_MR];
         macro_rules! go {
             ($nr:literal) => {{
                 let xp: [*const f32; $nr] = std::array::from_fn(|r| x[r * k..].as_ptr());
@@ -427,7 +448,7 @@ fn fused_product(input: Input<'_>, w: QuantRows<'_>, Cols { y, j0 }: Cols) {
                         _ => unreachable!("fused_type"),
                     }
                 };
-                for m in 0..MR {
+                for m in 0..FUSED_MR {
                     out[m][..$nr].copy_from_slice(&o[m]);
                 }
             }};
@@ -439,6 +460,8 @@ fn fused_product(input: Input<'_>, w: QuantRows<'_>, Cols { y, j0 }: Cols) {
             4 => go!(4),
             5 => go!(5),
             6 => go!(6),
+            7 => go!(7),
+            8 => go!(8),
             _ => unreachable!("at most FUSED_MAX_ROWS token rows"),
         }
         for (m, o) in out.iter().enumerate().take(mr) {
@@ -488,7 +511,7 @@ fn int8_product(
     for r0 in (0..t).step_by(pass) {
         let x = &q8[r0 * kb..(r0 + pass).min(t) * kb];
         for m0 in (0..rows).step_by(MR) {
-            let (mr, wr) = w.tile(m0);
+            let (mr, wr) = w.tile::<MR>(m0);
             int8::tile(ty, wr, x, kb, kernels, buf, |i, v| {
                 for (m, &v) in v.iter().enumerate().take(mr) {
                     // SAFETY: r0 + i < t; column j0 + m0 + m is this task's.
@@ -520,7 +543,7 @@ fn fused_product_avx2(input: Input<'_>, w: QuantRows<'_>, Cols { y, j0 }: Cols) 
     debug_assert!(t <= FUSED_MAX_ROWS_AVX2 && x.len() == t * k);
     let (block_len, block_bytes) = ty.block_layout().expect("a block type");
     for m0 in (0..rows).step_by(MR) {
-        let (mr, wr) = w.tile(m0);
+        let (mr, wr) = w.tile::<MR>(m0);
         let mut out = [[0.0f32; FUSED_MAX_ROWS_AVX2]; MR];
         macro_rules! go {
             ($nr:literal) => {{
@@ -1040,15 +1063,15 @@ pub(crate) fn dot_portable(x: &[f32], w: &[f32]) -> f32 {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::MR;
+    use super::{FUSED_MR, MR};
 
-    /// How many register tiles ahead the register-decoded kernels prefetch
+    /// How many weight rows ahead the register-decoded kernels prefetch
     /// weights, into L2 (`_MM_HINT_T1`). Measured on Gemma 3's 262144 x 640
-    /// Q8_0 output product read from a file map: one tile ahead into L1
-    /// (T0) ~10 ms, one tile into L2 ~7.3 ms, 2-4 tiles into L2 ~5.3 ms
-    /// (prefetches into L1 queue behind its few miss buffers); the 4-bit
-    /// types, bound by decoding, are unchanged.
-    const PREFETCH_TILES: usize = 4;
+    /// Q8_0 output product read from a file map (with tiles of 4 rows): 4
+    /// rows ahead into L1 (T0) ~10 ms, 4 rows into L2 ~7.3 ms, 8-16 rows
+    /// into L2 ~5.3 ms (prefetches into L1 queue behind its few miss
+    /// buffers); the 4-bit types, bound by decoding, are unchanged.
+    const PREFETCH_ROWS: usize = 16;
 
     /// Columns `cols = c0..c1` of a tile's products (`c0` a multiple of
     /// 16; the last group masked when `c1 == k` is not), continuing the
@@ -1167,12 +1190,13 @@ mod avx512 {
         _mm512_permutexvar_ps(lanes, y)
     }
 
-    /// A kernel like [`tile`] for weight rows in GGUF blocks, decoded in
-    /// registers 32 values at a time by `crate::quant::avx512`'s decoders
-    /// (`$block` once per block of `$bytes` bytes, `$group` for each of its
-    /// groups `$sub`) and multiplied in at once: the same values and the
-    /// same lanes as decoding a panel first, without storing it (decode,
-    /// `t` small).
+    /// A kernel like [`tile`] for [`FUSED_MR`] weight rows in GGUF blocks,
+    /// decoded in registers 32 values at a time by `crate::quant::avx512`'s
+    /// decoders (`$block` once per block of `$bytes` bytes, `$group` for
+    /// each of its groups `$sub`): each group of every weight row, then
+    /// each token row's 32 columns multiplied into all of them. The same
+    /// values and the same lanes as decoding a panel first, without
+    /// storing it (decode, `t` small).
     macro_rules! fused {
         ($name:ident, $block:path, $group:path, $bytes:literal, [$($sub:literal),+]) => {
             /// # Safety
@@ -1182,53 +1206,62 @@ mod avx512 {
             #[target_feature(enable = "avx512f,avx2,f16c,fma")]
             pub(super) unsafe fn $name<const NR: usize>(
                 x: &[*const f32; NR],
-                w: &[&[u8]; MR],
+                w: &[&[u8]; FUSED_MR],
                 k: usize,
-            ) -> [[f32; NR]; MR] {
+            ) -> [[f32; NR]; FUSED_MR] {
                 const GROUPS: usize = [$($sub),+].len();
-                let mut acc = [[_mm512_setzero_ps(); NR]; MR];
+                let mut acc = [[_mm512_setzero_ps(); NR]; FUSED_MR];
                 // Block by block, each weight row's groups in order (so
                 // every accumulator still sees its columns in increasing
                 // order).
                 for blk in 0..k / (32 * GROUPS) {
-                    for m in 0..MR {
-                        let b = &w[m][$bytes * blk..$bytes * (blk + 1)];
-                        // The same block of the row PREFETCH_TILES tiles
-                        // on (rows of one task are adjacent in memory), into
+                    let mut b: [&[u8]; FUSED_MR] = [&[]; FUSED_MR];
+                    for m in 0..FUSED_MR {
+                        b[m] = &w[m][$bytes * blk..$bytes * (blk + 1)];
+                        // The same block of the row PREFETCH_ROWS rows on
+                        // (rows of one task are adjacent in memory), into
                         // L2: the hardware prefetcher alone loses the short
                         // rows at every 4 KiB page of a file map. A prefetch
                         // never faults, so a pointer past the weights is
                         // harmless.
-                        let ahead = b
-                            .as_ptr()
-                            .wrapping_add(PREFETCH_TILES * MR * w[m].len());
+                        let ahead = b[m].as_ptr().wrapping_add(PREFETCH_ROWS * w[m].len());
                         let mut line = 0;
                         while line < $bytes {
                             _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(line).cast());
                             line += 64;
                         }
-                        let shared = $block(b);
-                        // Written out (not a loop) so each group's place in
-                        // its block is a constant in the decoder.
-                        $({
-                            let c = 32 * (GROUPS * blk + $sub);
-                            let [v0, v1] = $group(b, $sub, &shared);
-                            for r in 0..NR {
-                                // SAFETY: c + 32 <= k for every row.
-                                let (x0, x1) = unsafe {
-                                    (
-                                        _mm512_loadu_ps(x[r].add(c)),
-                                        _mm512_loadu_ps(x[r].add(c + 16)),
-                                    )
-                                };
-                                acc[m][r] = _mm512_fmadd_ps(x0, v0, acc[m][r]);
-                                acc[m][r] = _mm512_fmadd_ps(x1, v1, acc[m][r]);
-                            }
-                        })+
                     }
+                    let mut shared = [$block(b[0]); FUSED_MR];
+                    for m in 1..FUSED_MR {
+                        shared[m] = $block(b[m]);
+                    }
+                    // Written out (not a loop) so each group's place in
+                    // its block is a constant in the decoder.
+                    $({
+                        let c = 32 * (GROUPS * blk + $sub);
+                        // (Assigned in a loop: an array built by a closure
+                        // kept the decoded groups on the stack.)
+                        let mut v = [[_mm512_setzero_ps(); 2]; FUSED_MR];
+                        for m in 0..FUSED_MR {
+                            v[m] = $group(b[m], $sub, &shared[m]);
+                        }
+                        for r in 0..NR {
+                            // SAFETY: c + 32 <= k for every row.
+                            let (x0, x1) = unsafe {
+                                (
+                                    _mm512_loadu_ps(x[r].add(c)),
+                                    _mm512_loadu_ps(x[r].add(c + 16)),
+                                )
+                            };
+                            for m in 0..FUSED_MR {
+                                acc[m][r] = _mm512_fmadd_ps(x0, v[m][0], acc[m][r]);
+                                acc[m][r] = _mm512_fmadd_ps(x1, v[m][1], acc[m][r]);
+                            }
+                        }
+                    })+
                 }
-                let mut out = [[0.0f32; NR]; MR];
-                for m in 0..MR {
+                let mut out = [[0.0f32; NR]; FUSED_MR];
+                for m in 0..FUSED_MR {
                     for r in 0..NR {
                         out[m][r] = reduce(acc[m][r]);
                     }
@@ -1543,7 +1576,7 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(12))]
 
         /// A row's output is bit-identical alone and at any position of a
-        /// batch of 2, 5, 7, 8, 33, 100 or 512 rows (the register-decoded
+        /// batch of 2, 5, 7, 8, 9, 33, 100 or 512 rows (the register-decoded
         /// tiles of AVX2 and AVX-512 and the panel kernels), on every instruction set
         /// this CPU runs, for every weight type; every instruction set
         /// equals the portable path bit for bit; and the result is within
@@ -1576,7 +1609,7 @@ mod tests {
             }
             for isa in Isa::available() {
                 for w in weights {
-                    for t in [1usize, 2, 5, 7, 8, 33, 100, 512] {
+                    for t in [1usize, 2, 5, 7, 8, 9, 33, 100, 512] {
                         let at = [0, t / 2, t - 1, rng.gen_range(0..t)];
                         for p in at {
                             let y = row_in_batch(isa, &row, Slot { t, p }, w, n, k, &mut rng);

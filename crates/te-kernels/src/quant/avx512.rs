@@ -249,6 +249,7 @@ pub(crate) fn q4_k(b: &[u8], j: usize, mults: &Mults) -> [__m512; 2] {
 
 /// A block's 16 multipliers, stored (64-byte aligned) for [`splat`].
 #[repr(C, align(64))]
+#[derive(Clone, Copy)]
 pub(crate) struct Mults([f32; 16]);
 
 impl Mults {
