@@ -223,7 +223,7 @@ impl GgufFile {
         for i in 0..kv_count {
             let key = r.name(&format!("key of metadata entry {i}"))?;
             let ty = r.u32(&format!("type of metadata `{key}`"))?;
-            let value = r.value(ty, &key, 0)?;
+            let value = r.value(ty, &format!("value of metadata `{key}`"), 0)?;
             if metadata_index.insert(key.clone(), metadata.len()).is_some() {
                 return Err(r.err(format!("duplicate metadata key `{key}`")));
             }
@@ -690,28 +690,29 @@ impl<'a> Reader<'a> {
         Ok(String::from_utf8_lossy(bytes).into_owned())
     }
 
-    fn value(&mut self, ty: u32, key: &str, depth: u32) -> Result<GgufValue> {
-        let what = format!("value of metadata `{key}`");
+    /// One metadata value of type `ty`; `what` names it in errors (made
+    /// once per key: an array's elements share it).
+    fn value(&mut self, ty: u32, what: &str, depth: u32) -> Result<GgufValue> {
         Ok(match ty {
-            0 => GgufValue::U8(u8::from_le_bytes(self.array(&what)?)),
-            1 => GgufValue::I8(i8::from_le_bytes(self.array(&what)?)),
-            2 => GgufValue::U16(u16::from_le_bytes(self.array(&what)?)),
-            3 => GgufValue::I16(i16::from_le_bytes(self.array(&what)?)),
-            4 => GgufValue::U32(u32::from_le_bytes(self.array(&what)?)),
-            5 => GgufValue::I32(i32::from_le_bytes(self.array(&what)?)),
-            6 => GgufValue::F32(f32::from_le_bytes(self.array(&what)?)),
-            7 => match self.array::<1>(&what)?[0] {
+            0 => GgufValue::U8(u8::from_le_bytes(self.array(what)?)),
+            1 => GgufValue::I8(i8::from_le_bytes(self.array(what)?)),
+            2 => GgufValue::U16(u16::from_le_bytes(self.array(what)?)),
+            3 => GgufValue::I16(i16::from_le_bytes(self.array(what)?)),
+            4 => GgufValue::U32(u32::from_le_bytes(self.array(what)?)),
+            5 => GgufValue::I32(i32::from_le_bytes(self.array(what)?)),
+            6 => GgufValue::F32(f32::from_le_bytes(self.array(what)?)),
+            7 => match self.array::<1>(what)?[0] {
                 0 => GgufValue::Bool(false),
                 1 => GgufValue::Bool(true),
                 b => return Err(self.err(format!("{what}: bool byte {b} is not 0 or 1"))),
             },
-            8 => GgufValue::String(self.string(&what)?),
+            8 => GgufValue::String(self.string(what)?),
             9 => {
                 if depth >= MAX_ARRAY_DEPTH {
                     return Err(self.err(format!("{what}: arrays nested too deeply")));
                 }
-                let elem_ty = self.u32(&what)?;
-                let len = self.u64(&what)?;
+                let elem_ty = self.u32(what)?;
+                let len = self.u64(what)?;
                 // Every element takes at least one byte (bools, u8) and at
                 // least 8 (its length) for strings and arrays.
                 let min_size = match elem_ty {
@@ -739,13 +740,13 @@ impl<'a> Reader<'a> {
                 }
                 let mut items = Vec::with_capacity(len as usize);
                 for _ in 0..len {
-                    items.push(self.value(elem_ty, key, depth + 1)?);
+                    items.push(self.value(elem_ty, what, depth + 1)?);
                 }
                 GgufValue::Array(items)
             }
-            10 => GgufValue::U64(u64::from_le_bytes(self.array(&what)?)),
-            11 => GgufValue::I64(i64::from_le_bytes(self.array(&what)?)),
-            12 => GgufValue::F64(f64::from_le_bytes(self.array(&what)?)),
+            10 => GgufValue::U64(u64::from_le_bytes(self.array(what)?)),
+            11 => GgufValue::I64(i64::from_le_bytes(self.array(what)?)),
+            12 => GgufValue::F64(f64::from_le_bytes(self.array(what)?)),
             t => return Err(self.err(format!("{what}: unknown value type {t}"))),
         })
     }

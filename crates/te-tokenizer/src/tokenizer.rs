@@ -389,6 +389,9 @@ impl Tokenizer {
         let opt_bool = |key: &str| file.metadata(key).map(|_| file.get_bool(key)).transpose();
         let bos_id = opt_u32("tokenizer.ggml.bos_token_id")?;
         let vocab = vocab_map(&tokens);
+        // Every added token below is one of `tokens`, so the vocabulary
+        // with added tokens is `vocab`: counted here, before it moves.
+        let stats = VocabStats::of(&vocab);
 
         let (mut inner, kind, default_add_bos) = match model {
             "gpt2" => {
@@ -528,7 +531,7 @@ impl Tokenizer {
         }
         eos_ids.sort_unstable();
         eos_ids.dedup();
-        let mut t = Self::with_inner(inner, kind, bos_id, eos_ids);
+        let mut t = Self::with_inner(inner, stats, kind, bos_id, eos_ids);
         t.chat_template = match file.metadata("tokenizer.chat_template") {
             None => Ok(None),
             Some(_) => file
@@ -594,7 +597,8 @@ impl Tokenizer {
         eos_ids.sort_unstable();
         eos_ids.dedup();
         let kind = format!("tokenizer.json ({})", model_type(&inner));
-        let mut t = Self::with_inner(inner, kind, bos_id, eos_ids);
+        let stats = VocabStats::of(&inner.get_vocab(true));
+        let mut t = Self::with_inner(inner, stats, kind, bos_id, eos_ids);
         t.chat_eos = t.text_of(primary_eos);
         let config = read_optional_json(&dir.join("tokenizer_config.json"))?;
         // bos_token / eos_token of tokenizer_config.json win, as in
@@ -692,8 +696,10 @@ impl Tokenizer {
         eos.sort_unstable();
         eos.dedup();
         let primary_eos = eos_ids.first().copied();
+        let stats = VocabStats::of(&inner.get_vocab(true));
         let mut t = Self::with_inner(
             inner,
+            stats,
             "bytes (one token per UTF-8 byte; other ids decode as <ID>)".into(),
             bos_id,
             eos,
@@ -704,11 +710,11 @@ impl Tokenizer {
 
     fn with_inner(
         inner: tokenizers::Tokenizer,
+        stats: VocabStats,
         kind: String,
         bos_id: Option<u32>,
         eos_ids: Vec<u32>,
     ) -> Tokenizer {
-        let vocab = inner.get_vocab(true);
         let specials = crate::content::SpecialTexts::new(
             inner
                 .get_added_tokens_decoder()
@@ -717,9 +723,9 @@ impl Tokenizer {
                 .map(|(id, t)| (t.content, id)),
         );
         let mut t = Tokenizer {
-            vocab_size: vocab.len(),
-            max_token_id: vocab.values().copied().max(),
-            max_piece_bytes: vocab.keys().map(String::len).max().unwrap_or(1).max(1),
+            vocab_size: stats.size,
+            max_token_id: stats.max_id,
+            max_piece_bytes: stats.max_piece_bytes,
             specials,
             parse_special: inner,
             plain: std::sync::OnceLock::new(),
@@ -1108,6 +1114,27 @@ fn byte_level_chars() -> Vec<char> {
 }
 
 /// Piece -> id, keeping the first id of a duplicated piece.
+/// What [`Tokenizer`] keeps of its vocabulary with added tokens: counted
+/// once, since `tokenizers` copies the whole vocabulary to list it.
+struct VocabStats {
+    size: usize,
+    max_id: Option<u32>,
+    /// The longest piece in UTF-8 bytes, at least 1.
+    max_piece_bytes: usize,
+}
+
+impl VocabStats {
+    fn of<'a, S: std::hash::BuildHasher + 'a>(
+        vocab: &'a std::collections::HashMap<String, u32, S>,
+    ) -> VocabStats {
+        VocabStats {
+            size: vocab.len(),
+            max_id: vocab.values().copied().max(),
+            max_piece_bytes: vocab.keys().map(String::len).max().unwrap_or(1).max(1),
+        }
+    }
+}
+
 fn vocab_map(tokens: &[&str]) -> Vocab {
     let mut vocab = Vocab::with_capacity(tokens.len());
     for (id, &t) in tokens.iter().enumerate() {
@@ -1322,26 +1349,61 @@ fn gpt2_tokenizer(
 
 /// Merges that make Hugging Face BPE reproduce SentencePiece BPE: every
 /// split of a piece into two pieces of the vocabulary, ranked by the merged
-/// piece's score, descending (ties: lower merged id first).
+/// piece's score, descending (ties: lower merged id first; one piece's
+/// splits left to right).
+///
+/// A 262k-piece vocabulary (Gemma 3) has ~515k merges, and the first token
+/// waits for them: the ranked pieces are split, then the splits copied
+/// into the exactly sized list, each on two threads.
 fn sentencepiece_merges(tokens: &[&str], scores: &[f32], vocab: &Vocab) -> Vec<(String, String)> {
-    let mut merges: Vec<(f32, u32, &str, &str)> = Vec::new();
-    for (id, &piece) in tokens.iter().enumerate() {
-        // Only the first id of a duplicated piece can ever be produced.
-        if vocab.get(piece) != Some(&(id as u32)) {
-            continue;
-        }
-        for (split, _) in piece.char_indices().skip(1) {
-            let (left, right) = piece.split_at(split);
-            if vocab.contains_key(left) && vocab.contains_key(right) {
-                merges.push((scores[id], id as u32, left, right));
+    // Only the first id of a duplicated piece can ever be produced.
+    let mut ranked: Vec<u32> = (0..tokens.len() as u32)
+        .filter(|&id| vocab.get(tokens[id as usize]) == Some(&id))
+        .collect();
+    ranked.sort_unstable_by(|&a, &b| {
+        scores[b as usize]
+            .total_cmp(&scores[a as usize])
+            .then(a.cmp(&b))
+    });
+    let splits = |ids: &[u32]| {
+        let mut pairs = Vec::new();
+        for &id in ids {
+            let piece = tokens[id as usize];
+            for (split, _) in piece.char_indices().skip(1) {
+                let (left, right) = piece.split_at(split);
+                if vocab.contains_key(left) && vocab.contains_key(right) {
+                    pairs.push((left, right));
+                }
             }
         }
-    }
-    merges.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        pairs
+    };
+    let (first, second) = ranked.split_at(ranked.len() / 2);
+    let (first, second) = on_two_threads(|| splits(first), || splits(second));
+    let mut merges = vec![(String::new(), String::new()); first.len() + second.len()];
+    let (into_first, into_second) = merges.split_at_mut(first.len());
+    let copy = |into: &mut [(String, String)], pairs: &[(&str, &str)]| {
+        for (m, (l, r)) in into.iter_mut().zip(pairs) {
+            *m = (l.to_string(), r.to_string());
+        }
+    };
+    on_two_threads(|| copy(into_first, &first), || copy(into_second, &second));
     merges
-        .into_iter()
-        .map(|(_, _, l, r)| (l.to_string(), r.to_string()))
-        .collect()
+}
+
+/// `a()` on this thread and `b()` on a second one, both results.
+fn on_two_threads<A, B>(a: impl FnOnce() -> A, b: impl FnOnce() -> B + Send) -> (A, B)
+where
+    B: Send,
+{
+    std::thread::scope(|s| {
+        let b = s.spawn(b);
+        let a = a();
+        let b = b
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        (a, b)
+    })
 }
 
 /// SentencePiece-style BPE: spaces as `▁`, byte fallback, no pre-tokenizer.
@@ -1533,6 +1595,23 @@ mod tests {
                 .len(),
             limit
         );
+    }
+
+    /// Ranks by hand: `bc` (score 2) first, then the score-1 pieces by id
+    /// (`ab` 3, `abc` 5 with its splits left to right, `ca` 7); the
+    /// duplicate `ab` (id 6, score 5) is never produced, so it ranks
+    /// nothing. The ranked pieces are split in two halves, both seen here.
+    #[test]
+    fn sentencepiece_merges_rank_by_score_then_id_then_split() {
+        let tokens = ["a", "b", "c", "ab", "bc", "abc", "ab", "ca"];
+        let scores = [0.0, 0.0, 0.0, 1.0, 2.0, 1.0, 5.0, 1.0];
+        let merges = sentencepiece_merges(&tokens, &scores, &vocab_map(&tokens));
+        let want = [("b", "c"), ("a", "b"), ("a", "bc"), ("ab", "c"), ("c", "a")];
+        let got: Vec<(&str, &str)> = merges
+            .iter()
+            .map(|(l, r)| (l.as_str(), r.as_str()))
+            .collect();
+        assert_eq!(got, want);
     }
 
     #[test]
