@@ -456,8 +456,7 @@ mod avx512 {
                     dmin: 0.0,
                 }
             } else {
-                let (scale, min) =
-                    crate::quant::k4_scales_mins(b[4..16].try_into().expect("12 scale bytes"));
+                let (scale, min) = crate::quant::k4_block_scales_mins(b);
                 let wide = _mm256_cvtepu8_epi16(_mm_set_epi64x(min as i64, scale as i64));
                 Block {
                     sc: _mm512_zextsi256_si512(wide),

@@ -99,8 +99,7 @@ unsafe fn decode<const Q6: bool>(b: &[u8]) -> Decoded {
             d.extra = sc16;
             d.d = f16_at(b, 208);
         } else {
-            let (scale, min) =
-                crate::quant::k4_scales_mins(b[4..16].try_into().expect("12 scale bytes"));
+            let (scale, min) = crate::quant::k4_block_scales_mins(b);
             let sm = _mm256_cvtepu8_epi16(_mm_set_epi64x(min as i64, scale as i64));
             let mask4 = _mm256_set1_epi8(0x0F);
             // Low nibbles of qs[32·c ..] are group 2c, high nibbles 2c + 1.

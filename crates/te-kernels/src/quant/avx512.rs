@@ -212,7 +212,7 @@ pub(crate) fn q8_0(b: &[u8], _sub: usize, d: &__m512) -> [__m512; 2] {
 #[inline]
 #[target_feature(enable = "avx512f,avx2,f16c")]
 pub(crate) fn q4_k_block(b: &[u8]) -> Mults {
-    let (scale, min) = super::format::k4_scales_mins(b[4..16].try_into().expect("12 scale bytes"));
+    let (scale, min) = super::format::k4_block_scales_mins(b);
     let ints = _mm_set_epi64x(min as i64, scale as i64);
     // [d; 8] then [dmin; 8].
     let mul = _mm512_mask_blend_ps(0xFF00, f16_splat(b, 0), f16_splat(b, 2));

@@ -179,3 +179,14 @@ pub(crate) fn k4_scales_mins(s: &[u8; 12]) -> (u64, u64) {
         (w1 & low6) as u64 | ((((w2 >> 4) & 0x0f0f_0f0f) | ((w1 >> 2) & 0x3030_3030)) as u64) << 32;
     (scale, min)
 }
+
+/// [`k4_scales_mins`] of a Q4_K (or Q5_K) block `b`, whose 12 scale bytes
+/// follow its two f16 (`b[4..16]`).
+#[inline]
+pub(crate) fn k4_block_scales_mins(b: &[u8]) -> (u64, u64) {
+    k4_scales_mins(
+        b[4..16]
+            .try_into()
+            .expect("a K-quant block holds 12 scale bytes"),
+    )
+}

@@ -34,7 +34,7 @@ mod format;
 mod portable;
 
 pub use format::GgmlType;
-pub(crate) use format::{k4_scale_min, k4_scales_mins};
+pub(crate) use format::{k4_block_scales_mins, k4_scale_min};
 use portable::dequantize_blocks_scalar;
 
 /// Dequantizes a tensor of type `ty` into `out` (f32, row-major: the same
@@ -179,11 +179,12 @@ pub(crate) mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
 
-        /// The packed Q4_K scales and mins unpacked all at once are the
-        /// ones unpacked one by one.
+        /// The packed Q4_K scales and mins of a block (bytes 4..16)
+        /// unpacked all at once are the ones unpacked one by one.
         #[test]
-        fn k4_scales_mins_are_k4_scale_min(s: [u8; 12]) {
-            let (scales, mins) = k4_scales_mins(&s);
+        fn k4_scales_mins_are_k4_scale_min(s: [u8; 12], head: [u8; 4]) {
+            let block: Vec<u8> = head.iter().chain(&s).copied().collect();
+            let (scales, mins) = k4_block_scales_mins(&block);
             for j in 0..8 {
                 let (scale, min) = k4_scale_min(&s, j);
                 prop_assert_eq!((scales >> (8 * j)) as u8 as f32, scale, "scale {}", j);
