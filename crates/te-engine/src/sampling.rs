@@ -513,19 +513,50 @@ fn pick(
 /// Greedy choice over the effective logits: the largest non-NaN value,
 /// lowest id among equals; 0 when there is none.
 fn greedy(logits: &[f32], effective: impl Fn(usize, f32) -> f32) -> u32 {
-    // Two passes that vectorize: the max (`f32::max` skips NaN), then the
-    // first id holding it (-0.0 == 0.0).
-    let max = logits
+    // Two passes that vectorize: the max (`f32::max` skips NaN), in
+    // `GREEDY_LANES` independent lanes (one running max would chain every
+    // element on the one before it: 0.35 ns an element, 92 us for Gemma
+    // 3's 262k logits, ~3% of a 32-sequence decode step), then the first
+    // id holding it (-0.0 == 0.0), a block at a time without exiting early
+    // inside a block.
+    let mut lanes = [f32::NEG_INFINITY; GREEDY_LANES];
+    let blocks = logits.chunks_exact(GREEDY_LANES);
+    let tail = blocks.remainder();
+    for (b, block) in blocks.enumerate() {
+        for (j, (m, &l)) in lanes.iter_mut().zip(block).enumerate() {
+            *m = m.max(effective(b * GREEDY_LANES + j, l));
+        }
+    }
+    let at = logits.len() - tail.len();
+    let max = tail
         .iter()
         .enumerate()
-        .map(|(i, &l)| effective(i, l))
-        .fold(f32::NEG_INFINITY, f32::max);
-    logits
-        .iter()
+        .map(|(j, &l)| effective(at + j, l))
+        .fold(
+            lanes.into_iter().fold(f32::NEG_INFINITY, f32::max),
+            f32::max,
+        );
+    let block = logits
+        .chunks(GREEDY_LANES)
         .enumerate()
-        .position(|(i, &l)| effective(i, l) == max)
-        .map_or(0, |i| i as u32)
+        .position(|(b, block)| {
+            block.iter().enumerate().fold(false, |hit, (j, &l)| {
+                hit | (effective(b * GREEDY_LANES + j, l) == max)
+            })
+        });
+    block.map_or(0, |b| {
+        let start = b * GREEDY_LANES;
+        let within = logits[start..]
+            .iter()
+            .enumerate()
+            .position(|(j, &l)| effective(start + j, l) == max)
+            .expect("the block holds the max");
+        (start + within) as u32
+    })
 }
+
+/// Logits per step of [`greedy`]'s passes: four AVX-512 vectors.
+const GREEDY_LANES: usize = 64;
 
 /// Sampling with `params.temperature > 0` (the module's steps 1 to 4).
 fn draw(
@@ -631,6 +662,35 @@ mod tests {
         assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
         assert_eq!(argmax(&[]), 0);
         assert_eq!(argmax(&[1.0, f32::INFINITY, f32::INFINITY]), 1);
+    }
+
+    proptest::proptest! {
+        /// The lane-parallel greedy choice is the plain scan's: the first
+        /// largest non-NaN value (-0.0 equal to 0.0), 0 when there is none,
+        /// over lengths around the lane count, with NaN, infinities, signed
+        /// zeros and ties; and with an effective value that depends on the
+        /// id (the penalties' path).
+        #[test]
+        fn greedy_is_the_first_largest_non_nan(
+            picks in proptest::collection::vec(0usize..8, 0..300),
+        ) {
+            const VALUES: [f32; 8] =
+                [f32::NAN, f32::NEG_INFINITY, f32::INFINITY, -0.0, 0.0, 1.5, -2.0, 1.5];
+            let logits: Vec<f32> = picks.iter().map(|&p| VALUES[p]).collect();
+            let scan = |effective: &dyn Fn(usize, f32) -> f32| {
+                let mut best: Option<(usize, f32)> = None;
+                for (i, &l) in logits.iter().enumerate() {
+                    let v = effective(i, l);
+                    if !v.is_nan() && best.is_none_or(|(_, b)| v > b) {
+                        best = Some((i, v));
+                    }
+                }
+                best.map_or(0, |(i, _)| i as u32)
+            };
+            proptest::prop_assert_eq!(argmax(&logits), scan(&|_, l| l));
+            let halve_odd = |i: usize, l: f32| if i % 2 == 1 { l * 0.5 } else { l };
+            proptest::prop_assert_eq!(greedy(&logits, halve_odd), scan(&halve_odd));
+        }
     }
 
     /// The reproducer in miniature: a tiny temperature must not
