@@ -1113,7 +1113,6 @@ fn byte_level_chars() -> Vec<char> {
         .collect()
 }
 
-/// Piece -> id, keeping the first id of a duplicated piece.
 /// What [`Tokenizer`] keeps of its vocabulary with added tokens: counted
 /// once, since `tokenizers` copies the whole vocabulary to list it.
 struct VocabStats {
@@ -1135,6 +1134,7 @@ impl VocabStats {
     }
 }
 
+/// Piece -> id, keeping the first id of a duplicated piece.
 fn vocab_map(tokens: &[&str]) -> Vocab {
     let mut vocab = Vocab::with_capacity(tokens.len());
     for (id, &t) in tokens.iter().enumerate() {
