@@ -520,22 +520,12 @@ fn greedy(logits: &[f32], effective: impl Fn(usize, f32) -> f32) -> u32 {
     // id holding it (-0.0 == 0.0), a block at a time without exiting early
     // inside a block.
     let mut lanes = [f32::NEG_INFINITY; GREEDY_LANES];
-    let blocks = logits.chunks_exact(GREEDY_LANES);
-    let tail = blocks.remainder();
-    for (b, block) in blocks.enumerate() {
+    for (b, block) in logits.chunks(GREEDY_LANES).enumerate() {
         for (j, (m, &l)) in lanes.iter_mut().zip(block).enumerate() {
             *m = m.max(effective(b * GREEDY_LANES + j, l));
         }
     }
-    let at = logits.len() - tail.len();
-    let max = tail
-        .iter()
-        .enumerate()
-        .map(|(j, &l)| effective(at + j, l))
-        .fold(
-            lanes.into_iter().fold(f32::NEG_INFINITY, f32::max),
-            f32::max,
-        );
+    let max = lanes.into_iter().fold(f32::NEG_INFINITY, f32::max);
     let block = logits
         .chunks(GREEDY_LANES)
         .enumerate()
