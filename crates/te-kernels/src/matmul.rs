@@ -1193,8 +1193,10 @@ mod avx512 {
 
     /// A kernel like [`tile`] for [`FUSED_MR`] weight rows in GGUF blocks,
     /// decoded in registers 32 values at a time by `crate::quant::avx512`'s
-    /// decoders (`$block` once per block of `$bytes` bytes, `$group` for
-    /// each of its groups `$sub`): each group of every weight row, then
+    /// decoders (`$block` once per block of `$bytes` bytes, from the
+    /// block's bytes or, for `run(s)`, from the scales `s` collects for 16
+    /// blocks at a time, see `shared!`; `$group` for each of its groups
+    /// `$sub`): each group of every weight row, then
     /// each token row's 32 columns multiplied into all of them. The same
     /// values and the same lanes as decoding a panel first, without
     /// storing it (decode, `t` small).

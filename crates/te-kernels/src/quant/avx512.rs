@@ -169,11 +169,11 @@ fn q4_1_table(d: __m512, m: __m512) -> __m512 {
 /// cycles per 64 weights); now they come 16 blocks at a time from whole
 /// 64-byte loads ([`q4_1_run`]) and each block broadcasts its two from
 /// memory. Measured on an Emerald Rapids Xeon (SmolLM2's Q4_1 weights, 2
-/// threads, 30 alternations in a quiet spell): tg64 +8% (median of the
-/// paired ratios; quartiles +3%, +13%). The one-field types (Q4_0, Q5_0,
-/// Q8_0) save less per block and were no faster or slower this way
-/// (Q8_0 1.08-1.22x the time in one process, Gemma 3's tg64 0.90x), so
-/// they convert per block.
+/// threads, 24 alternations in a quiet spell): tg64 +10% (median of the
+/// paired ratios; quartiles +4%, +13%). The one-field types (Q4_0, Q5_0,
+/// Q8_0) save half as much per block and were not faster this way (Q8_0
+/// 1.08-1.22x the time in one process, Gemma 3's tg64 0.90x), so they
+/// convert per block.
 #[derive(Clone, Copy)]
 pub(crate) struct Q4_1Run {
     d: Mults,
