@@ -1237,9 +1237,9 @@ mod avx512 {
                             line += 64;
                         }
                     }
-                    let mut shared = [shared!($kind $(($scales))? $block, b[0], &runs[0], blk % 16); FUSED_MR];
+                    let mut shared = [shared!($kind $(($scales))? $block, b[0], &runs[0], blk % q::RUN_BLOCKS); FUSED_MR];
                     for m in 1..FUSED_MR {
-                        shared[m] = shared!($kind $(($scales))? $block, b[m], &runs[m], blk % 16);
+                        shared[m] = shared!($kind $(($scales))? $block, b[m], &runs[m], blk % q::RUN_BLOCKS);
                     }
                     // Written out (not a loop) so each group's place in
                     // its block is a constant in the decoder.
@@ -1287,16 +1287,16 @@ mod avx512 {
         };
         (refresh block, $($_:tt)*) => {};
         (refresh run($s:path), $runs:ident, $w:ident, $blk:ident, $blocks:ident, $bytes:literal) => {
-            if $blk % 16 == 0 {
+            if $blk % q::RUN_BLOCKS == 0 {
                 for m in 0..FUSED_MR {
-                    $runs[m] = $s(&$w[m][$bytes * $blk..], 16.min($blocks - $blk));
+                    $runs[m] = $s(&$w[m][$bytes * $blk..], q::RUN_BLOCKS.min($blocks - $blk));
                 }
             }
         };
         (block $f:path, $b:expr, $run:expr, $j:expr) => {
             $f($b)
         };
-        // SAFETY (of the call): j = blk % 16 < 16, inside the run.
+        // SAFETY (of the call): j = blk % RUN_BLOCKS, inside the run.
         (run($s:path) $f:path, $b:expr, $run:expr, $j:expr) => {
             unsafe { $f($run, $j) }
         };

@@ -190,6 +190,9 @@ impl Default for Q4_1Run {
     }
 }
 
+/// Blocks in a [`Q4_1Run`]: one per lane of a 16-lane register.
+pub(crate) const RUN_BLOCKS: usize = 16;
+
 /// Where [`q4_1_run`] finds the fields of 16 Q4_1 blocks (20 bytes, 5
 /// dwords each: block `j`'s `d` and `m` are dword `5 j`, low and high
 /// half), per 128-byte window of the run (two 64-byte loads, 32 dwords):
@@ -198,7 +201,7 @@ impl Default for Q4_1Run {
 const Q4_1_RUN_WINDOWS: [([u32; 16], u16); 3] = {
     let mut windows = [([0u32; 16], 0u16); 3];
     let mut j = 0;
-    while j < 16 {
+    while j < RUN_BLOCKS {
         let dword = 5 * j;
         windows[dword / 32].0[j] = (dword % 32) as u32;
         windows[dword / 32].1 |= 1 << j;
@@ -218,7 +221,7 @@ const Q4_1_RUN_WINDOWS: [([u32; 16], u16); 3] = {
 #[inline]
 #[target_feature(enable = "avx512f,avx2,f16c")]
 pub(crate) fn q4_1_run(b: &[u8], n: usize) -> Q4_1Run {
-    assert!((1..=16).contains(&n) && b.len() >= 20 * n);
+    assert!((1..=RUN_BLOCKS).contains(&n) && b.len() >= 20 * n);
     let dwords = b.len() / 4;
     // 16 dwords from dword `at`, those past the end of `b` zero.
     let load = |at: usize| {
@@ -251,11 +254,11 @@ pub(crate) fn q4_1_run(b: &[u8], n: usize) -> Q4_1Run {
 /// [`q4_1_block`] of block `j` of a run.
 ///
 /// # Safety
-/// `j < 16`; the CPU must support AVX-512F.
+/// `j <` [`RUN_BLOCKS`]; the CPU must support AVX-512F.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,f16c")]
 pub(crate) unsafe fn q4_1_in_run(run: &Q4_1Run, j: usize) -> __m512 {
-    // SAFETY: j < 16 (the caller's contract).
+    // SAFETY: j < RUN_BLOCKS = 16 (the caller's contract).
     unsafe { q4_1_table(splat(&run.d, j), splat(&run.m, j)) }
 }
 
